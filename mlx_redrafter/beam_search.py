@@ -1,0 +1,58 @@
+"""Drafter beam search: W candidate continuations of length L, fully in MLX (no host sync inside)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from .drafter import Drafter
+
+LOG_0 = -50000.0  # "log(0)" of the reference implementation, kept finite so sums never give NaN
+
+
+def warp_top_k(logits: mx.array, top_k: int) -> mx.array:
+    """Subtract the row max and set everything below the row's top-k to LOG_0 (as the reference does)."""
+    logits = logits - mx.max(logits, axis=-1, keepdims=True)
+    if top_k and top_k < logits.shape[-1]:
+        kth = mx.min(mx.topk(logits, top_k, axis=-1), axis=-1, keepdims=True)
+        logits = mx.where(logits < kth, LOG_0, logits)
+    return logits
+
+
+def beam_search(
+    drafter: Drafter,
+    embed: Callable[[mx.array], mx.array],
+    context: mx.array,  # (B, H) target's post-norm hidden state at the last accepted position
+    first_token: mx.array,  # (B,) int: g0, the target's prediction there
+    width: int,
+    length: int,
+    top_k: int = 50,
+) -> tuple[mx.array, mx.array]:
+    """Return beams (B, W, L) int32 with column 0 = first_token, and the drafter's log-probs of the
+    drafted tokens (B, W, L-1)."""
+    B, H = context.shape
+    ctx = mx.broadcast_to(context[:, None, :], (B, width, H))
+    beams = mx.broadcast_to(first_token.astype(mx.int32)[:, None, None], (B, width, 1))
+    scores = mx.array([0.0] + [-float("inf")] * (width - 1))[None].astype(mx.float32)  # (1, W)
+    state = mx.zeros((B, width, H), dtype=context.dtype)
+    token_lp = mx.zeros((B, width, 0), dtype=mx.float32)
+    for _ in range(length - 1):
+        state = drafter.next_state(state, embed(beams[:, :, -1]))
+        logp = warp_top_k(drafter.logits(ctx, state).astype(mx.float32), top_k)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)  # (B, W, K)
+        K = logp.shape[-1]
+        cand = (logp + scores[:, :, None]).reshape(B, width * K)
+        top = mx.argpartition(-cand, kth=width - 1, axis=-1)[:, :width]
+        top_scores = mx.take_along_axis(cand, top, axis=-1)
+        order = mx.argsort(-top_scores, axis=-1)  # best beam first; deterministic
+        top = mx.take_along_axis(top, order, axis=-1)
+        scores = mx.take_along_axis(top_scores, order, axis=-1)
+        src, head_idx = top // K, top % K  # (B, W) parent beam, head index
+        beams = mx.concatenate(
+            [mx.take_along_axis(beams, src[:, :, None], axis=1), drafter.token_ids(head_idx)[:, :, None]], axis=-1
+        )
+        state = mx.take_along_axis(state, src[:, :, None], axis=1)
+        chosen = mx.take_along_axis(logp.reshape(B, width * K), top, axis=-1)  # (B, W)
+        token_lp = mx.concatenate([mx.take_along_axis(token_lp, src[:, :, None], axis=1), chosen[:, :, None]], -1)
+    return beams, token_lp

@@ -1,0 +1,68 @@
+"""Pre-allocated KV cache with a committed region and a scratch region for packed candidates.
+
+Layout per layer: keys/values (B, n_kv_heads, capacity, head_dim). Positions [0, offset) are committed
+(exactly what autoregressive decoding would have built); a forward writes its new tokens at
+[offset, offset + N) -- the scratch region -- and attends to [0, offset + N). `advance(n)` commits the
+first n scratch entries as they are (prefill, AR steps); `commit(path, n)` commits the entries of an
+accepted tree path, in order, and drops the rest.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    def __init__(self, num_layers: int, capacity: int, step: int = 256):
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.step = step
+        self.offset = 0  # committed length
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+
+    def _ensure(self, layer: int, k: mx.array, end: int) -> None:
+        cur = self.keys[layer]
+        if cur is not None and cur.shape[2] >= end:
+            return
+        B, h, _, D = k.shape
+        size = max(self.capacity, ((end + self.step - 1) // self.step) * self.step)
+        new_k = mx.zeros((B, h, size, D), dtype=k.dtype)
+        new_v = mx.zeros((B, h, size, D), dtype=k.dtype)
+        if cur is not None:
+            new_k[:, :, : self.offset] = cur[:, :, : self.offset]
+            new_v[:, :, : self.offset] = self.values[layer][:, :, : self.offset]
+        self.keys[layer], self.values[layer] = new_k, new_v
+        self.capacity = size
+
+    def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store N new entries at [offset, offset+N); return the visible keys/values [0, offset+N)."""
+        end = self.offset + k.shape[2]
+        self._ensure(layer, k, end)
+        self.keys[layer][:, :, self.offset : end] = k
+        self.values[layer][:, :, self.offset : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Commit the first n scratch entries in place."""
+        self.offset += n
+
+    def commit(self, path: mx.array, n: int) -> None:
+        """Commit an accepted path: scratch indices `path` (L,) in order; the first n become committed.
+
+        The whole path (fixed length L) is copied so shapes stay static; entries past n are scratch again.
+        """
+        src = self.offset + path
+        lo, hi = self.offset, self.offset + path.shape[0]
+        for i in range(self.num_layers):
+            self.keys[i][:, :, lo:hi] = self.keys[i][:, :, src]
+            self.values[i][:, :, lo:hi] = self.values[i][:, :, src]
+        self.offset += n
+
+    def state(self) -> list[mx.array]:
+        """All cache arrays (for mx.eval)."""
+        return [a for a in self.keys + self.values if a is not None]
+
+    def committed(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Committed keys/values of one layer, (B, n_kv, offset, D)."""
+        return self.keys[layer][:, :, : self.offset], self.values[layer][:, :, : self.offset]

@@ -1,0 +1,202 @@
+"""Llama-family target model in MLX (mlx-lm style), with per-token positions and explicit masks.
+
+One forward serves prefill, one-token steps and the packed tree verification block: callers give the
+token ids, the KV cache, each token's RoPE position and (for more than one token) a boolean attention mask
+over the cache's visible keys. It returns logits and the post-norm hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVCache
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    model_type: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        args = {k: v for k, v in cfg.items() if k in known}
+        return cls(**args, extra={k: v for k, v in cfg.items() if k not in known})
+
+
+def rope_frequencies(args: ModelArgs) -> tuple[float | None, float, mx.array | None]:
+    """(base, scale, freqs) for mx.fast.rope, honouring linear and llama3 rope scaling."""
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return args.rope_theta, 1.0 / float(scaling["factor"]), None
+    if kind == "llama3":
+        dims = args.head_dim
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        freqs = args.rope_theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        wavelens = 2 * math.pi * freqs
+        freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
+        is_medium = (wavelens > high_wl) & (wavelens < low_wl)
+        smooth = (old_ctx / wavelens - low) / (high - low)
+        medium = freqs / ((1 - smooth) / factor + smooth)
+        return None, 1.0, mx.where(is_medium, medium, freqs)
+    if kind not in ("default", None):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return args.rope_theta, 1.0, None
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, self.n_heads, self.n_kv_heads = args.hidden_size, args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=args.attention_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
+        self.rope_base, self.rope_scale, freqs = rope_frequencies(args)
+        if freqs is not None:
+            self._freqs = freqs  # underscore: not a parameter
+
+    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        # x: (B, N, heads, D) -> (B*N, heads, 1, D): one "batch row" per token, so each token gets its
+        # own position as the rope offset.
+        B, N, h, D = x.shape
+        y = mx.fast.rope(
+            x.reshape(B * N, h, 1, D),
+            D,
+            traditional=False,
+            base=self.rope_base,
+            scale=self.rope_scale,
+            offset=positions.reshape(-1),
+            freqs=getattr(self, "_freqs", None),
+        )
+        return y.reshape(B, N, h, D).transpose(0, 2, 1, 3)
+
+    def __call__(
+        self, x: mx.array, positions: mx.array, mask: mx.array | None, cache: KVCache, layer: int
+    ) -> mx.array:
+        B, N, _ = x.shape
+        q = self._rope(self.q_proj(x).reshape(B, N, self.n_heads, self.head_dim), positions)
+        k = self._rope(self.k_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim), positions)
+        v = self.v_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        keys, values = cache.write(layer, k, v)  # (B, n_kv, S, D), S = cache.offset + N
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hidden = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, positions, mask, cache, layer):
+        h = x + self.self_attn(self.input_layernorm(x), positions, mask, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    """Llama causal LM: `model(tokens, cache, positions, mask) -> (logits, post-norm hidden)`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Activation dtype (also the KV-cache dtype); never the packed dtype of quantized weights."""
+        return self.model.norm.weight.dtype
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Input embeddings of token ids, in the activation dtype."""
+        return self.model.embed_tokens(tokens).astype(self.dtype)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits from post-norm hidden states."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def __call__(
+        self,
+        tokens: mx.array,  # (B, N) int
+        cache: KVCache,
+        positions: mx.array | None = None,  # (B, N) int; default cache.offset + arange(N)
+        mask: mx.array | None = None,  # (B|1, 1, N, cache.offset + N) bool; default causal
+        last_only: bool = False,
+    ) -> tuple[mx.array, mx.array]:
+        B, N = tokens.shape
+        if positions is None:
+            positions = mx.broadcast_to(mx.arange(cache.offset, cache.offset + N), (B, N))
+        if mask is None and N > 1:
+            mask = causal_mask(N, cache.offset)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, mask, cache, i)
+        if last_only:
+            x = x[:, -1:]
+        hidden = self.model.norm(x)  # (B, N', H) post-norm: what the drafter consumes
+        return self.logits(hidden), hidden
+
+
+def causal_mask(n: int, offset: int) -> mx.array:
+    """Boolean (1, 1, n, offset + n) mask: token i sees the cache and new tokens 0..i."""
+    rows = mx.arange(n)[:, None] + offset
+    cols = mx.arange(offset + n)[None, :]
+    return (cols <= rows)[None, None]
