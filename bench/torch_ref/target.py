@@ -1,0 +1,88 @@
+"""The target model through Hugging Face transformers' LlamaForCausalLM, with explicit positions and masks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mlx_redrafter.errors import UserError
+
+
+def load_hf_target(spec: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """LlamaForCausalLM from the same GGUF (dequantized by transformers) or an unquantized mlx-lm / HF directory."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from mlx_redrafter.loader import resolve_model
+
+    transformers.logging.set_verbosity_error()
+    _, path = resolve_model(spec)
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    if path.is_dir():
+        import json
+
+        cfg = json.loads((path / "config.json").read_text())
+        if cfg.get("quantization") or cfg.get("quantization_config"):
+            raise UserError(f"{path} holds MLX-quantized weights, which transformers cannot load: use the GGUF or an "
+                            f"unquantized directory for the PyTorch reference")
+        model = AutoModelForCausalLM.from_pretrained(str(path), **{dtype_kw: dtype})
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name,
+                                                     **{dtype_kw: dtype})
+    return model.to(device).eval()
+
+
+def new_cache(model):
+    """An empty transformers DynamicCache for this model."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def cache_len(cache) -> int:
+    return int(cache.get_seq_length())
+
+
+def _kv_lists(cache) -> list[tuple[object, str, str]]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56 / 5
+        return [(layer, "keys", "values") for layer in cache.layers]
+    return [(cache, f"key_cache[{i}]", f"value_cache[{i}]") for i in range(len(cache.key_cache))]  # older
+
+
+def commit_path(cache, context_len: int, path: list[int]) -> None:
+    """Keep the committed context plus the scratch entries `path` (indices after the context), in that order."""
+    if hasattr(cache, "layers"):
+        for layer in cache.layers:
+            idx = torch.tensor(path, device=layer.keys.device) + context_len
+            layer.keys = torch.cat([layer.keys[:, :, :context_len], layer.keys[:, :, idx]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :context_len], layer.values[:, :, idx]], dim=2)
+    else:
+        for i in range(len(cache.key_cache)):
+            k, v = cache.key_cache[i], cache.value_cache[i]
+            idx = torch.tensor(path, device=k.device) + context_len
+            cache.key_cache[i] = torch.cat([k[:, :, :context_len], k[:, :, idx]], dim=2)
+            cache.value_cache[i] = torch.cat([v[:, :, :context_len], v[:, :, idx]], dim=2)
+        if hasattr(cache, "_seen_tokens"):
+            cache._seen_tokens = context_len + len(path)
+
+
+@torch.no_grad()
+def forward(model, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
+            allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, post-norm hidden) for tokens (1, N); `allowed` (N, ctx + N) bool = which keys each token sees.
+
+    Without `allowed` transformers builds its own causal mask.
+    """
+    mask = None
+    if allowed is not None:
+        dtype = model.model.embed_tokens.weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
+        mask = mask.masked_fill(~allowed.to(tokens.device), torch.finfo(dtype).min)[None, None]
+    out = model.model(input_ids=tokens, past_key_values=cache, position_ids=positions, attention_mask=mask,
+                      use_cache=cache is not None)
+    hidden = out.last_hidden_state  # after the final RMSNorm
+    return model.lm_head(hidden), hidden

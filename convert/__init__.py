@@ -1,0 +1,5 @@
+"""Checkpoint conversion between PyTorch ReDrafter drafters (Apple's format) and redrafter-mlx drafters.
+
+    python -m convert.from_torch PATH [--out DIR] [--model M] [--dtype D]
+    python -m convert.to_torch DRAFTER_DIR --out DIR
+"""

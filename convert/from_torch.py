@@ -1,0 +1,417 @@
+"""Import a PyTorch ReDrafter drafter checkpoint (Apple's ml-recurrent-drafter format) as an MLX drafter.
+
+    python -m convert.from_torch PATH [--out DIR] [--model M] [--dtype D] [--force]
+
+PATH is a `model.safetensors`, a torch state dict (`pytorch_model.bin` / `model.pt`, read with
+`torch.load(weights_only=True)`, so no pickled code ever runs), or a directory holding one of them and
+usually `config.json`. Key spellings seen in the wild are accepted (`input_projs`, `lm_heads.{i}`, `0.{i}`,
+ResBlocks with or without the `.linear` level). A missing config is inferred from the tensor shapes.
+The output is a drafter directory (config.json + model.safetensors) for `mlx_redrafter.drafter.load_drafter`,
+written atomically. Any problem is reported as one `error: ...` line and a non-zero exit, with no output dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
+
+from mlx_redrafter.drafter import MODEL_TYPE, Drafter, DrafterArgs, check_compatible, save_drafter
+from mlx_redrafter.errors import UserError
+
+WEIGHT_NAMES = ("model.safetensors", "drafter.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# config.json keys of a Hugging Face PretrainedConfig that describe the source file, not the drafter.
+_DROP_CONFIG_KEYS = {"torch_dtype", "dtype", "_name_or_path", "transformers_version", "architectures", "auto_map"}
+_KEY_PREFIXES = ("module.", "drafter.")
+
+
+@dataclass
+class Checkpoint:
+    """Tensors of a PyTorch drafter checkpoint, under canonical (Apple) key names."""
+
+    weights_file: Path
+    config: dict[str, Any] | None
+    tensors: dict[str, mx.array]
+    renamed: dict[str, str] = field(default_factory=dict)  # original key -> canonical key (only changed ones)
+
+
+def find_checkpoint(path: Path) -> tuple[Path, Path | None]:
+    """(weights file, config.json or None) for a checkpoint file or directory."""
+    if not path.exists():
+        raise UserError(f"{path} does not exist (give a model.safetensors, pytorch_model.bin, model.pt or a directory)")
+    if path.is_dir():
+        found = [path / n for n in WEIGHT_NAMES if (path / n).is_file()]
+        if not found:
+            found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+        if not found:
+            raise UserError(f"{path} holds no model.safetensors, pytorch_model.bin or model.pt")
+        weights = found[0]
+    else:
+        weights = path
+    cfg = weights.parent / "config.json"
+    return weights, (cfg if cfg.is_file() else None)
+
+
+def _check_safetensors_file(file: Path) -> None:
+    """Validate the safetensors header against the file size, so truncation gives a precise message."""
+    size = file.stat().st_size
+    if size < 8:
+        raise UserError(f"{file} is not a safetensors file (only {size} bytes)")
+    with file.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8 or n > 100_000_000:
+            raise UserError(f"{file} is truncated or not a safetensors file (header of {n} bytes, file {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UserError(f"{file} has a corrupt safetensors header (not valid JSON)") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{file} has a corrupt safetensors header")
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, IndexError, ValueError):
+            raise UserError(f"{file} has a corrupt safetensors header entry for {key!r}") from None
+    if 8 + n + end > size:
+        raise UserError(f"{file} is truncated: its header needs {8 + n + end} bytes but the file has {size}")
+
+
+def _read_safetensors(file: Path) -> dict[str, mx.array]:
+    _check_safetensors_file(file)
+    try:
+        return dict(mx.load(str(file), format="safetensors"))
+    except Exception as e:
+        raise UserError(f"cannot read {file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _torch_to_mx(key: str, value: Any, file: Path) -> mx.array:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise UserError(f"{file}: entry {key!r} is a {type(value).__name__}, not a tensor")
+    t = value.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return mx.array(t.float().numpy()).astype(mx.bfloat16)
+    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+        raise UserError(f"{file}: tensor {key!r} has unsupported dtype {t.dtype}")
+    arr = mx.array(t.numpy())
+    return arr.astype(mx.float32) if arr.dtype == mx.float64 else arr
+
+
+def _read_torch(file: Path) -> dict[str, mx.array]:
+    try:
+        import torch
+    except ImportError:
+        raise UserError(f"reading {file.name} needs PyTorch: pip install 'mlx-redrafter[torch]' (or convert the "
+                        f"checkpoint to safetensors)") from None
+    try:
+        obj = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as e:
+        msg = str(e)
+        if "weights_only" in msg or "Unsupported global" in msg or "Unpickl" in type(e).__name__:
+            raise UserError(f"refusing to load {file}: it holds pickled objects other than tensors (possibly code); "
+                            f"only plain state dicts are read (torch.load weights_only=True)") from None
+        first = msg.splitlines()[0] if msg else type(e).__name__
+        raise UserError(f"cannot read {file} (corrupt or truncated torch file?): {first}") from None
+    if isinstance(obj, dict) and len(obj) == 1 and next(iter(obj)) in ("state_dict", "model", "module"):
+        obj = next(iter(obj.values()))
+    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise UserError(f"{file} holds a {type(obj).__name__}, not a state dict of tensors")
+    return {str(k): _torch_to_mx(str(k), v, file) for k, v in obj.items()}
+
+
+def read_tensors(file: Path) -> dict[str, mx.array]:
+    """All tensors of a checkpoint file as MLX arrays (safetensors or a torch state dict)."""
+    if file.stat().st_size == 0:
+        raise UserError(f"{file} is empty")
+    with file.open("rb") as f:
+        magic = f.read(4)
+    if file.suffix == ".safetensors" or (not magic.startswith(b"PK") and magic[:1] != b"\x80"
+                                         and file.suffix not in (".bin", ".pt", ".pth")):
+        return _read_safetensors(file)
+    return _read_torch(file)
+
+
+_RULES = [
+    (re.compile(r"^input_projs?(?:\.0)?\.(weight|bias)$"), r"input_proj.\1"),
+    (re.compile(r"^(?:lm_heads?|0)\.(\d+)\.(?:linear\.)?(weight|bias)$"), r"lm_head.\1.\2"),  # .linear re-added later
+    (re.compile(r"^(rnn_u\.(?:weight|bias)|rnn_w\.weight|emb_norm\.weight|draft_vocab)$"), r"\1"),
+]
+
+
+def canonical_keys(tensors: dict[str, mx.array], file: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Rename every key to Apple's spelling; one-line error naming the first key that is not a drafter weight."""
+    staged: dict[str, tuple[str, mx.array]] = {}
+    for key, value in tensors.items():
+        k = key
+        for prefix in _KEY_PREFIXES:
+            if k.startswith(prefix):
+                k = k[len(prefix):]
+        for pattern, repl in _RULES:
+            if pattern.match(k):
+                new = pattern.sub(repl, k)
+                break
+        else:
+            raise UserError(f"unknown key {key!r} in {file} (a ReDrafter drafter has input_proj, lm_head.{{i}}, "
+                            f"rnn_u, rnn_w, emb_norm)")
+        if new in staged:
+            raise UserError(f"{file} has two tensors for {new!r}: {staged[new][0]!r} and {key!r}")
+        staged[new] = (key, value)
+    heads = sorted({int(k.split(".")[1]) for k in staged if k.startswith("lm_head.")})
+    if not heads:
+        raise UserError(f"{file} has no lm_head.{{i}} weights: not a ReDrafter drafter checkpoint")
+    last = heads[-1]
+    out: dict[str, mx.array] = {}
+    renamed: dict[str, str] = {}
+    for new, (orig, value) in staged.items():
+        if new.startswith("lm_head."):
+            i, leaf = int(new.split(".")[1]), new.split(".")[2]
+            if i == last and leaf == "bias":
+                raise UserError(f"unexpected key {orig!r} in {file}: the vocabulary projection lm_head.{i} has no bias")
+            new = f"lm_head.{i}.{leaf}" if i == last else f"lm_head.{i}.linear.{leaf}"
+        out[new] = value
+        if new != orig:
+            renamed[orig] = new
+    return out, renamed
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint file or directory (and its config.json, if any) with canonical key names."""
+    weights, cfg_file = find_checkpoint(Path(path).expanduser())
+    cfg = None
+    if cfg_file is not None:
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{cfg_file} is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise UserError(f"{cfg_file} is not a JSON object")
+        if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise UserError(f"{cfg_file} describes a {cfg.get('model_type')!r} model, not a ReDrafter drafter")
+    tensors, renamed = canonical_keys(read_tensors(weights), weights)
+    return Checkpoint(weights_file=weights, config=cfg, tensors=tensors, renamed=renamed)
+
+
+def _shape(t: dict[str, mx.array], key: str) -> tuple[int, ...] | None:
+    return tuple(t[key].shape) if key in t else None
+
+
+def infer_args(ckpt: Checkpoint, target_vocab: int | None = None) -> tuple[DrafterArgs, list[str]]:
+    """Drafter config from config.json where present, else from the tensor shapes; also the inferred keys."""
+    t, f = ckpt.tensors, ckpt.weights_file
+    heads = sorted({int(k.split(".")[1]) for k in t if k.startswith("lm_head.")})
+    n = heads[-1]
+    proj = _shape(t, f"lm_head.{n}.weight")
+    if proj is None or len(proj) != 2:
+        raise UserError(f"{f}: missing key lm_head.{n}.weight (the vocabulary projection)")
+    rows, exit_dim = proj
+    if (s := _shape(t, "input_proj.weight")) is not None:
+        if len(s) != 2 or s[1] % 2:
+            raise UserError(f"{f}: input_proj.weight has shape {s}, expected (exit_dim, 2 * hidden_size)")
+        hidden = s[1] // 2
+    elif (s := _shape(t, "rnn_u.weight")) is not None:
+        hidden = s[0]
+    else:
+        if exit_dim % 2:
+            raise UserError(f"{f}: no input_proj, so exit_dim must be 2 * hidden_size, but it is {exit_dim}")
+        hidden = exit_dim // 2
+    inferred_vals: dict[str, Any] = {
+        "hidden_size": hidden, "exit_dim": exit_dim, "num_draft_layers": n,
+        "rnn": "rnn_u.weight" in t or "rnn_w.weight" in t, "emb_norm": "emb_norm.weight" in t,
+    }
+    if "draft_vocab" in t:
+        inferred_vals["draft_vocab_size"] = t["draft_vocab"].shape[0]
+        if target_vocab is not None:
+            inferred_vals["vocab_size"] = target_vocab
+    else:
+        inferred_vals["vocab_size"] = rows
+    cfg = {k: v for k, v in (ckpt.config or {}).items() if k not in _DROP_CONFIG_KEYS}
+    inferred = []
+    for key, value in inferred_vals.items():
+        if cfg.get(key) is None:
+            cfg[key] = value
+            inferred.append(key)
+    if "vocab_size" not in cfg:
+        raise UserError(f"{f} has a draft_vocab head: give config.json with vocab_size, or --model to take it from")
+    cfg["model_type"] = MODEL_TYPE
+    for key in ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers"):
+        if not isinstance(cfg[key], int) or cfg[key] <= 0:
+            raise UserError(f"config {key} = {cfg[key]!r} is not a positive integer")
+    return DrafterArgs.from_dict(cfg), inferred
+
+
+def expected_shapes(args: DrafterArgs) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of a drafter with these args (Apple's names, our format)."""
+    from mlx.utils import tree_flatten
+
+    return {k: tuple(v.shape) for k, v in tree_flatten(Drafter(args).parameters())}
+
+
+def check_tensors(args: DrafterArgs, tensors: dict[str, mx.array], file: Path, renamed: dict[str, str]) -> None:
+    """One-line errors for unknown keys, missing keys, shape mismatches and non-finite weights."""
+    orig = {v: k for k, v in renamed.items()}
+    want = expected_shapes(args)
+    for key in tensors:
+        if key not in want:
+            raise UserError(f"unexpected key {orig.get(key, key)!r} in {file} for a drafter with num_draft_layers="
+                            f"{args.num_draft_layers}, rnn={args.rnn}, exit_dim={args.exit_dim}, "
+                            f"hidden_size={args.hidden_size}")
+    for key, shape in want.items():
+        if key not in tensors:
+            raise UserError(f"missing key {key!r} in {file} (config: hidden_size={args.hidden_size}, "
+                            f"exit_dim={args.exit_dim}, num_draft_layers={args.num_draft_layers}, rnn={args.rnn})")
+        if tuple(tensors[key].shape) != shape:
+            raise UserError(f"{file}: {orig.get(key, key)!r} has shape {tuple(tensors[key].shape)}, expected {shape} "
+                            f"from the config (hidden_size={args.hidden_size}, exit_dim={args.exit_dim}, "
+                            f"vocab_size={args.draft_vocab_size or args.vocab_size})")
+    for key, value in tensors.items():
+        if mx.issubdtype(value.dtype, mx.floating):
+            if not mx.all(mx.isfinite(value)).item():
+                raise UserError(f"{file}: tensor {orig.get(key, key)!r} contains NaN or Inf values")
+        elif key != "draft_vocab":
+            raise UserError(f"{file}: tensor {orig.get(key, key)!r} has non-float dtype {value.dtype}")
+    if "draft_vocab" in tensors:
+        dv = tensors["draft_vocab"]
+        if mx.issubdtype(dv.dtype, mx.floating) or dv.ndim != 1:
+            raise UserError(f"{file}: draft_vocab must be a 1-D integer tensor of token ids")
+        if dv.size and (mx.min(dv).item() < 0 or mx.max(dv).item() >= args.vocab_size):
+            raise UserError(f"{file}: draft_vocab has token ids outside [0, {args.vocab_size})")
+
+
+def _pick_dtype(tensors: dict[str, mx.array], key: str, dtype: str) -> mx.Dtype:
+    if dtype == "auto":
+        src = tensors[key].dtype
+        return src if src in (mx.float32, mx.float16, mx.bfloat16) else mx.float32
+    if dtype not in DTYPES:
+        raise UserError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_drafter(args: DrafterArgs, tensors: dict[str, mx.array], dtype: mx.Dtype, file: Path) -> Drafter:
+    """A Drafter holding `tensors` (floats cast to dtype); checks the cast stays finite."""
+    cast = {}
+    for k, v in tensors.items():
+        if k == "draft_vocab":
+            cast[k] = v.astype(mx.int32)
+        else:
+            cast[k] = v.astype(dtype)
+            if not mx.all(mx.isfinite(cast[k])).item():
+                raise UserError(f"{file}: tensor {k!r} overflows {dtype} (use --dtype float32)")
+    drafter = Drafter(args)
+    drafter.load_weights(list(cast.items()), strict=True)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def default_out(weights_file: Path, given: Path) -> Path:
+    """`<name>-mlx` in the current directory, name = the checkpoint directory (or file stem)."""
+    name = given.name if given.is_dir() else (
+        weights_file.parent.name if weights_file.name in WEIGHT_NAMES else weights_file.stem)
+    return Path.cwd() / f"{name or 'drafter'}-mlx"
+
+
+def convert(path: str | Path, out: str | Path | None = None, model: str | None = None, dtype: str = "auto",
+            quantize: int | None = None, force: bool = False) -> dict[str, Any]:
+    """Convert a PyTorch drafter checkpoint to an MLX drafter directory; returns a summary dict."""
+    if quantize is not None:
+        raise UserError(f"--quantize {quantize} is not supported yet: load_drafter reads unquantized drafters only "
+                        f"(convert without --quantize)")
+    given = Path(path).expanduser()
+    ckpt = load_checkpoint(given)
+    target = None
+    if model is not None:
+        from mlx_redrafter.loader import load_target
+
+        target = load_target(model, "float32")
+    target_vocab = target.model.args.vocab_size if target is not None else None
+    args, inferred = infer_args(ckpt, target_vocab)
+    check_tensors(args, ckpt.tensors, ckpt.weights_file, ckpt.renamed)
+    if target is not None:
+        check_compatible(args, target.model.args.hidden_size, target.model.args.vocab_size, str(ckpt.weights_file))
+    head = f"lm_head.{args.num_draft_layers}.weight"
+    dt = _pick_dtype(ckpt.tensors, head, dtype)
+    drafter = build_drafter(args, ckpt.tensors, dt, ckpt.weights_file)
+    out_dir = Path(out).expanduser() if out else default_out(ckpt.weights_file, given)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+        raise UserError(f"output {out_dir} already exists: pass --force to replace it, or choose --out")
+    if out_dir.resolve() == ckpt.weights_file.parent.resolve():
+        raise UserError(f"output {out_dir} is the checkpoint's own directory: choose another --out")
+    save_drafter(drafter, out_dir)
+    return {
+        "source": str(ckpt.weights_file),
+        "config": str(ckpt.weights_file.parent / "config.json") if ckpt.config is not None else None,
+        "out": str(out_dir),
+        "args": args.to_dict(),
+        "inferred": inferred,
+        "renamed": ckpt.renamed,
+        "source_dtypes": sorted({str(v.dtype).replace("mlx.core.", "") for v in ckpt.tensors.values()}),
+        "dtype": str(dt).replace("mlx.core.", ""),
+        "shapes": {k: list(v.shape) for k, v in ckpt.tensors.items()},
+        "num_params": drafter.num_params(),
+        "target": None if target is None else {"name": target.name, "hidden_size": target.model.args.hidden_size,
+                                               "vocab_size": target.model.args.vocab_size},
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """Human-readable summary of a conversion."""
+    a = s["args"]
+    lines = [
+        f"converted {s['source']} -> {s['out']}",
+        f"  config: {s['config'] or 'none (inferred from tensor shapes)'}"
+        + (f"; inferred: {', '.join(s['inferred'])}" if s["inferred"] else ""),
+        f"  hidden_size {a['hidden_size']}, exit_dim {a['exit_dim']}, num_draft_layers {a['num_draft_layers']}, "
+        f"vocab_size {a['vocab_size']}" + (f", draft_vocab_size {a['draft_vocab_size']}" if a.get("draft_vocab_size")
+                                            else "") + f", rnn {a['rnn']}, emb_norm {a['emb_norm']}",
+    ]
+    if s["renamed"]:
+        pairs = list(s["renamed"].items())
+        more = f" (+{len(pairs) - 4} more)" if len(pairs) > 4 else ""
+        shown = ", ".join(f"{k} -> {v}" for k, v in pairs[:4]) + more
+        lines.append(f"  renamed keys: {shown}")
+    for k, shape in sorted(s["shapes"].items()):
+        lines.append(f"    {k:28s} {tuple(shape)}")
+    lines.append(f"  parameters: {s['num_params']:,} (source {'/'.join(s['source_dtypes'])}, written as {s['dtype']})")
+    t = s["target"]
+    lines.append(f"  target check: ok for {t['name']} (hidden {t['hidden_size']}, vocab {t['vocab_size']})" if t
+                 else "  target check: skipped (pass --model to check hidden size and vocabulary)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m convert.from_torch", description=__doc__.splitlines()[0])
+    p.add_argument("path", help="model.safetensors, pytorch_model.bin / model.pt, or a directory with one of them")
+    p.add_argument("--out", help="output drafter directory (default: ./<name>-mlx)")
+    p.add_argument("--model", help="target model to check hidden size and vocabulary against ('default' = the "
+                                   "embedded SmolLM2-135M, a .gguf, an mlx-lm dir or a hub repo)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype (auto: keep the source's)")
+    p.add_argument("--quantize", type=int, choices=[4, 8], help="quantize weights (not supported yet)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    a = p.parse_args(argv)
+    try:
+        summary = convert(a.path, a.out, a.model, a.dtype, a.quantize, a.force)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
