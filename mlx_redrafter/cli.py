@@ -17,6 +17,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 MODEL_HELP = "Target model: a .gguf file, an mlx-lm directory, a HF repo id or alias (default: embedded SmolLM2-135M)."
 DRAFTER_HELP = "Drafter: 'default' (shipped for the model), a directory, or random:SEED."
 DTYPE_HELP = "float32 | float16 | bfloat16 | quantized | auto (auto = float32 on CPU, quantized/float16 on GPU)."
+BEAM_W_HELP = "Beam width W [tuned for this machine by `redrafter-mlx tune`, else 4]."
+BEAM_L_HELP = "Beam length L, first token + drafts [tuned, else 5]."
 
 
 def _fail(msg: str) -> None:
@@ -37,28 +39,30 @@ def generate(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     drafter: str = typer.Option("default", help=DRAFTER_HELP),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding."),
-    beam_width: int = typer.Option(4, "--beam-width", "-w", help="Beam width W."),
-    beam_length: int = typer.Option(5, "--beam-length", "-l", help="Beam length L (first token + drafts)."),
+    beam_width: int | None = typer.Option(None, "--beam-width", "-w", help=BEAM_W_HELP),
+    beam_length: int | None = typer.Option(None, "--beam-length", "-l", help=BEAM_L_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
 ) -> None:
     """Generate a completion (greedy), with speculative decoding unless --no-draft."""
-    from . import api
+    from . import api, tuning
 
     try:
         if (prompt is None) == (prompts_file is None):
             raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
-        api.check_beam(beam_width, beam_length)
+        dec = tuning.resolve(model, drafter, beam_width, beam_length, dtype, no_draft)
+        if not dec.no_draft:
+            api.check_beam(dec.beam_width, dec.beam_length)
         prompts = [prompt] if prompt is not None else _read_prompts(prompts_file)
-        runner = api.load(model, None if no_draft else drafter, dtype)
+        runner = api.load(model, None if dec.no_draft else drafter, dec.dtype)
         for p in prompts:
-            kw = dict(max_tokens=max_tokens, beam_width=beam_width, beam_length=beam_length, chat=chat,
-                      no_draft=no_draft or runner.drafter is None)
+            kw = dict(max_tokens=max_tokens, beam_width=dec.beam_width or 4, beam_length=dec.beam_length or 5,
+                      chat=chat, no_draft=dec.no_draft or runner.drafter is None)
             if as_json:
                 res = api.generate(runner, p, **kw)
-                typer.echo(json.dumps(_result_json(res, p)))
+                typer.echo(json.dumps({**_result_json(res, p), "settings_source": dec.source}))
             else:
                 from .decode import Stats
 
@@ -101,21 +105,26 @@ def chat(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     drafter: str = typer.Option("default", help=DRAFTER_HELP),
     no_draft: bool = typer.Option(False, "--no-draft"),
-    beam_width: int = typer.Option(4, "--beam-width", "-w"),
-    beam_length: int = typer.Option(5, "--beam-length", "-l"),
+    beam_width: int | None = typer.Option(None, "--beam-width", "-w", help=BEAM_W_HELP),
+    beam_length: int | None = typer.Option(None, "--beam-length", "-l", help=BEAM_L_HELP),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """Interactive chat with streaming output. Empty line or Ctrl-D quits."""
-    from . import api
+    from . import api, tuning
     from .decode import Stats
 
     try:
-        api.check_beam(beam_width, beam_length)
+        dec = tuning.resolve(model, drafter, beam_width, beam_length, dtype, no_draft)
+        if not dec.no_draft:
+            api.check_beam(dec.beam_width, dec.beam_length)
+        no_draft = dec.no_draft
+        beam_width, beam_length = dec.beam_width or 4, dec.beam_length or 5
         typer.echo("loading model...", err=True)
-        runner = api.load(model, None if no_draft else drafter, dtype)
+        runner = api.load(model, None if no_draft else drafter, dec.dtype)
+        shape = f"W={beam_width} L={beam_length}" if runner.drafter is not None and not no_draft else "AR"
         typer.echo(f"model={runner.target.name} dtype={runner.target.dtype} drafter={runner.drafter_name} "
-                   f"W={beam_width} L={beam_length}. Type a message; empty line or Ctrl-D quits.", err=True)
+                   f"{shape} ({dec.source} settings). Type a message; empty line or Ctrl-D quits.", err=True)
         messages: list[dict[str, str]] = []
         while True:
             try:
@@ -139,6 +148,11 @@ def chat(
         _fail(str(e))
     except KeyboardInterrupt:
         pass
+
+
+from .bench_cli import register as _register_bench  # noqa: E402  (bench + tune commands)
+
+_register_bench(app)
 
 
 def main() -> None:
