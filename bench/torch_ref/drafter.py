@@ -33,8 +33,11 @@ class TorchDrafter(nn.Module):
         H, E, V = cfg["hidden_size"], cfg["exit_dim"], cfg["vocab_size"]
         if E != 2 * H:
             self.input_proj = nn.Linear(2 * H, E, bias=True)
+        K = cfg.get("draft_vocab_size") or V  # redrafter-mlx extension: a head over K token ids
         self.lm_head = nn.Sequential(*[ResBlock(E) for _ in range(cfg["num_draft_layers"])],
-                                     nn.Linear(E, V, bias=False))
+                                     nn.Linear(E, K, bias=False))
+        if cfg.get("draft_vocab_size"):
+            self.register_buffer("draft_vocab", torch.arange(K, dtype=torch.long))
         self.rnn = bool(cfg.get("rnn", False))
         if self.rnn:
             self.rnn_u = nn.Linear(H, H, bias=True)
@@ -47,6 +50,10 @@ class TorchDrafter(nn.Module):
         if self.rnn:
             return nn.functional.silu(self.rnn_w(emb) + self.rnn_u(state))
         return state + emb
+
+    def token_ids(self, head_index: torch.Tensor) -> torch.Tensor:
+        """Head output index -> target token id."""
+        return self.draft_vocab[head_index] if hasattr(self, "draft_vocab") else head_index
 
     def logits(self, context: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         x = torch.cat([context, state], dim=-1)
@@ -75,7 +82,23 @@ def load_torch_drafter(path: str | Path, device: str = "cpu") -> TorchDrafter:
     p = Path(path)
     cfg = json.loads((p / "config.json").read_text())
     d = TorchDrafter(cfg)
-    d.load_state_dict({k: v.float() for k, v in load_file(str(p / "model.safetensors")).items()}, strict=True)
+    sd = load_file(str(p / "model.safetensors"))
+    d.load_state_dict({k: v if k == "draft_vocab" else v.float() for k, v in sd.items()}, strict=True)
+    return d.float().eval().to(device)
+
+
+def from_mlx(drafter, device: str = "cpu") -> TorchDrafter:
+    """A TorchDrafter holding the weights of an mlx_redrafter Drafter (fp32)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    d = TorchDrafter(drafter.args.to_dict())
+    sd = {}
+    for k, v in tree_flatten(drafter.parameters()):
+        arr = np.array(v.astype(mx.int64 if k == "draft_vocab" else mx.float32))
+        sd[k] = torch.from_numpy(arr)
+    d.load_state_dict(sd, strict=True)
     return d.float().eval().to(device)
 
 
@@ -110,7 +133,7 @@ def beam_search(drafter: TorchDrafter, embed: Callable[[torch.Tensor], torch.Ten
         V = logp.shape[-1]
         total = (logp + scores[:, :, None]).reshape(B, width * V)
         scores, flat = torch.topk(total, width, dim=-1, sorted=True)
-        src, tok = flat // V, flat % V
+        src, tok = flat // V, drafter.token_ids(flat % V)
         beams = torch.cat([beams[rows, src], tok[:, :, None]], dim=-1)
         state = state[rows, src]
         chosen_lp = torch.cat([chosen_lp[rows, src], logp.reshape(B, width * V).gather(1, flat)[:, :, None]], dim=-1)

@@ -1,0 +1,318 @@
+"""MLX vs PyTorch parity report: `python -m bench.parity --device cpu|cuda` (or `make parity DEVICE=...`).
+
+Compares, on the default model (or --model) and MT-bench prompts, in fp32:
+  target logits and post-norm hidden states (prompt prefill and the packed tree forward) against transformers'
+  LlamaForCausalLM loaded from the same GGUF; drafter beams and chosen-token log-probs against the PyTorch
+  drafter holding the same weights; packed tokens / depths / mask / unpacker against a loop implementation;
+  end-to-end greedy token ids of ReDrafter (MLX and PyTorch) against both autoregressive paths.
+Writes bench/results/parity/<device>/parity.json and parity.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
+import numpy as np
+
+from mlx_redrafter.cache import KVCache
+from mlx_redrafter.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def to_np(x: Any) -> np.ndarray:
+    """MLX array or torch tensor -> float64/int numpy array."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, mx.array):
+        return np.array(x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x)
+    return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+
+
+def max_abs(a: Any, b: Any) -> float:
+    return float(np.max(np.abs(to_np(a).astype(np.float64) - to_np(b).astype(np.float64))))
+
+
+def load_prompts(n: int, path: Path = ROOT / "data" / "mt_bench.jsonl") -> list[str]:
+    with path.open() as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+def pick_drafter(target, spec: str | None):
+    """The shipped drafter for the target if there is one, else a seeded random drafter (or `spec`)."""
+    from mlx_redrafter.api import resolve_drafter, shipped_drafter_path
+
+    if spec is None:
+        spec = "default" if shipped_drafter_path(target.name) is not None else "random:0"
+    drafter, name = resolve_drafter(spec, target)
+    if drafter is None:
+        raise UserError(f"no drafter for {spec!r}")
+    return drafter, name
+
+
+def target_parity(mlx_model, hf, ids: list[int], device: str) -> dict[str, Any]:
+    """Prefill logits/hidden over all prompt positions."""
+    import torch
+
+    from bench.torch_ref.target import forward
+
+    logits, hidden = mlx_model(mx.array([ids]), KVCache(len(mlx_model.model.layers), len(ids)))
+    t_logits, t_hidden = forward(hf, torch.tensor([ids], device=device))
+    a, b = to_np(logits[0]), to_np(t_logits[0])
+    return {"prefill_logits_max_abs": max_abs(a, b), "prefill_hidden_max_abs": max_abs(hidden[0], t_hidden[0]),
+            "prefill_argmax_match": float(np.mean(a.argmax(-1) == b.argmax(-1))), "prompt_tokens": len(ids)}
+
+
+def drafter_tree_parity(mlx_model, hf, drafter, t_drafter, ids: list[int], width: int, length: int,
+                        device: str) -> dict[str, Any]:
+    """Beam search on the same (context, g0), packing of the same beams, and the packed tree forward."""
+    import torch
+
+    from bench.torch_ref import drafter as tdraft
+    from bench.torch_ref import target as ttarget
+    from bench.torch_ref import tree as ttree
+    from mlx_redrafter.beam_search import beam_search
+    from mlx_redrafter.tree import pack, verify_mask
+
+    cache = KVCache(len(mlx_model.model.layers), len(ids) + width * length)
+    logits, hidden = mlx_model(mx.array([ids]), cache, last_only=True)
+    cache.advance(len(ids))
+    g0, h = mx.argmax(logits[:, -1], axis=-1), hidden[:, -1]
+    beams, lp = beam_search(drafter, mlx_model.embed, h, g0, width, length)
+    mx.eval(beams, lp)
+    t_beams, t_lp = tdraft.beam_search(t_drafter, hf.model.embed_tokens, torch.from_numpy(to_np(h)).to(device),
+                                       torch.from_numpy(to_np(g0)).long().to(device), width, length)
+    out: dict[str, Any] = {
+        "beams_equal": bool(np.array_equal(to_np(beams), to_np(t_beams))),
+        "beam_logprob_max_abs": max_abs(lp, t_lp),
+    }
+    tree = pack(beams[0])
+    t_tree = ttree.pack(torch.from_numpy(to_np(beams[0])).long())
+    out["packed_equal"] = bool(
+        tree.size == t_tree.size and np.array_equal(to_np(tree.tokens), to_np(t_tree.tokens))
+        and np.array_equal(to_np(tree.depth), to_np(t_tree.depth))
+        and np.array_equal(to_np(tree.mask), to_np(t_tree.mask))
+        and np.array_equal(to_np(tree.unpacker), to_np(t_tree.unpacker)))
+    out["packed_tokens"] = tree.size
+    out["candidate_tokens"] = width * length
+    positions = (cache.offset + tree.depth)[None]
+    v_logits, v_hidden = mlx_model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))
+    t_cache = ttarget.new_cache(hf)
+    ttarget.forward(hf, torch.tensor([ids], device=device), t_cache)
+    ctx = len(ids)
+    allowed = torch.cat([torch.ones(t_tree.size, ctx, dtype=torch.bool), t_tree.mask], dim=1)
+    tv_logits, tv_hidden = ttarget.forward(hf, t_tree.tokens[None].to(device), t_cache,
+                                           (ctx + t_tree.depth)[None].to(device), allowed.to(device))
+    out["tree_logits_max_abs"] = max_abs(v_logits[0], tv_logits[0])
+    out["tree_hidden_max_abs"] = max_abs(v_hidden[0], tv_hidden[0])
+    out["tree_argmax_match"] = float(np.mean(to_np(v_logits[0]).argmax(-1) == to_np(tv_logits[0]).argmax(-1)))
+    return out
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def ar_top2_gap(mlx_model, ids: list[int], generated: list[int], at: int) -> float:
+    """Top-2 logit gap of the target (MLX, full forward) at generated position `at` (tie diagnostics)."""
+    seq = ids + generated[:at]
+    logits, _ = mlx_model(mx.array([seq]), KVCache(len(mlx_model.model.layers), len(seq)), last_only=True)
+    top = np.sort(to_np(logits[0, -1]))[-2:]
+    return float(top[1] - top[0])
+
+
+def e2e_parity(mlx_model, hf, drafter, t_drafter, ids: list[int], eos: list[int], max_tokens: int, width: int,
+               length: int, device: str) -> dict[str, Any]:
+    """Greedy token ids: MLX ReDrafter / MLX AR / PyTorch AR / PyTorch ReDrafter."""
+    from bench.torch_ref.decode import greedy_ar, greedy_redrafter
+    from mlx_redrafter.decode import Stats, generate_tokens
+
+    runs: dict[str, list[int]] = {}
+    times: dict[str, float] = {}
+    stats = Stats()
+    t = time.perf_counter()
+    runs["mlx_ar"] = [x for step in generate_tokens(mlx_model, ids, max_tokens=max_tokens, eos_ids=eos) for x in step]
+    times["mlx_ar"] = time.perf_counter() - t
+    t = time.perf_counter()
+    runs["mlx_redrafter"] = [x for step in generate_tokens(mlx_model, ids, drafter=drafter, beam_width=width,
+                                                          beam_length=length, max_tokens=max_tokens, eos_ids=eos,
+                                                          stats=stats) for x in step]
+    times["mlx_redrafter"] = time.perf_counter() - t
+    t = time.perf_counter()
+    runs["torch_ar"] = greedy_ar(hf, ids, max_tokens, eos, device=device)
+    times["torch_ar"] = time.perf_counter() - t
+    t = time.perf_counter()
+    runs["torch_redrafter"], tstats = greedy_redrafter(hf, t_drafter, ids, max_tokens, eos, width, length, device)
+    times["torch_redrafter"] = time.perf_counter() - t
+    ref = runs["mlx_ar"]
+    out: dict[str, Any] = {"tokens": {k: len(v) for k, v in runs.items()},
+                           "seconds": {k: round(v, 3) for k, v in times.items()},
+                           "mlx_tokens_per_step": round(stats.tokens_per_step, 3),
+                           "torch_tokens_per_step": round(len(runs["torch_redrafter"]) / max(tstats.steps, 1), 3)}
+    for k in ("mlx_redrafter", "torch_ar", "torch_redrafter"):
+        d = first_diff(ref, runs[k])
+        out[f"{k}_equals_mlx_ar"] = d is None
+        if d is not None:
+            out[f"{k}_first_diff"] = d
+            out[f"{k}_top2_gap_at_diff"] = ar_top2_gap(mlx_model, ids, ref, d) if d < len(ref) else None
+            n = min(len(ref), len(runs[k]))
+            out[f"{k}_match_rate"] = float(np.mean(np.array(ref[:n]) == np.array(runs[k][:n]))) if n else 0.0
+    return out
+
+
+def tokenizer_parity(target, spec: str | None, texts: list[str]) -> dict[str, Any]:
+    """Our tokenizer vs transformers' tokenizer from the same GGUF (raw text, no chat template)."""
+    from transformers import AutoTokenizer
+
+    from mlx_redrafter.loader import resolve_model
+
+    _, path = resolve_model(spec)
+    try:
+        if path.is_dir():
+            tok = AutoTokenizer.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # tokenizer conversion is optional for the report
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    same = [target.tokenizer.encode(t) == tok.encode(t, add_special_tokens=False) for t in texts]
+    return {"texts": len(texts), "identical": int(sum(same))}
+
+
+def run(device: str, model: str | None, drafter_spec: str | None, n_prompts: int, max_tokens: int, width: int,
+        length: int, out_dir: Path) -> dict[str, Any]:
+    import torch
+
+    from bench.torch_ref.drafter import from_mlx
+    from bench.torch_ref.target import load_hf_target
+    from mlx_redrafter.loader import load_target
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device visible to PyTorch")
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    target = load_target(model, "float32")
+    hf = load_hf_target(model, device=device)
+    drafter, drafter_name = pick_drafter(target, drafter_spec)
+    t_drafter = from_mlx(drafter, device)
+    load_s = time.perf_counter() - t0
+    tok = target.tokenizer
+    prompts = load_prompts(n_prompts)
+    rows = []
+    for i, p in enumerate(prompts):
+        ids = tok.encode(tok.chat_prompt([{"role": "user", "content": p}]))
+        row = {"prompt": i, **target_parity(target.model, hf, ids, device),
+               **drafter_tree_parity(target.model, hf, drafter, t_drafter, ids, width, length, device),
+               **e2e_parity(target.model, hf, drafter, t_drafter, ids, tok.eos_ids, max_tokens, width, length,
+                            device)}
+        rows.append(row)
+        print(f"prompt {i}: logits {row['prefill_logits_max_abs']:.2e} tree {row['tree_logits_max_abs']:.2e} "
+              f"beams {row['beams_equal']} packed {row['packed_equal']} e2e "
+              f"{row['mlx_redrafter_equals_mlx_ar']}/{row['torch_ar_equals_mlx_ar']}/"
+              f"{row['torch_redrafter_equals_mlx_ar']}", flush=True)
+    summary = {
+        "prefill_logits_max_abs": max(r["prefill_logits_max_abs"] for r in rows),
+        "prefill_hidden_max_abs": max(r["prefill_hidden_max_abs"] for r in rows),
+        "prefill_argmax_match": float(np.mean([r["prefill_argmax_match"] for r in rows])),
+        "tree_logits_max_abs": max(r["tree_logits_max_abs"] for r in rows),
+        "tree_hidden_max_abs": max(r["tree_hidden_max_abs"] for r in rows),
+        "tree_argmax_match": float(np.mean([r["tree_argmax_match"] for r in rows])),
+        "beam_logprob_max_abs": max(r["beam_logprob_max_abs"] for r in rows),
+        "beams_equal": f"{sum(r['beams_equal'] for r in rows)}/{len(rows)}",
+        "packed_equal": f"{sum(r['packed_equal'] for r in rows)}/{len(rows)}",
+        "mlx_redrafter_equals_mlx_ar": f"{sum(r['mlx_redrafter_equals_mlx_ar'] for r in rows)}/{len(rows)}",
+        "torch_ar_equals_mlx_ar": f"{sum(r['torch_ar_equals_mlx_ar'] for r in rows)}/{len(rows)}",
+        "torch_redrafter_equals_mlx_ar": f"{sum(r['torch_redrafter_equals_mlx_ar'] for r in rows)}/{len(rows)}",
+        "mlx_tokens_per_step": float(np.mean([r["mlx_tokens_per_step"] for r in rows])),
+    }
+    where = torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or platform.machine())
+    report = {
+        "device": device, "torch_device_name": where, "mlx_device": str(mx.default_device()), "model": target.name,
+        "dtype": "float32",
+        "drafter": drafter_name, "beam_width": width, "beam_length": length, "max_tokens": max_tokens,
+        "prompts": len(rows), "torch_version": torch.__version__, "mlx_version": mx.__version__,
+        "load_s": round(load_s, 2), "summary": summary,
+        "tokenizer": tokenizer_parity(target, model, prompts), "per_prompt": rows,
+        "total_s": round(time.perf_counter() - t0, 2),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "parity.md").write_text(markdown(report))
+    return report
+
+
+def markdown(r: dict[str, Any]) -> str:
+    """Short markdown summary of a parity report."""
+    s = r["summary"]
+    lines = [
+        f"# MLX vs PyTorch parity ({r['device']})",
+        "",
+        f"Model `{r['model']}` fp32, drafter `{r['drafter']}`, W={r['beam_width']} L={r['beam_length']}, "
+        f"{r['prompts']} MT-bench prompts, {r['max_tokens']} new tokens; torch {r['torch_version']} on "
+        f"{r['torch_device_name']}, MLX {r['mlx_version']} on {r['mlx_device']}.",
+        "",
+        "| check | result |",
+        "|---|---|",
+        f"| prefill logits max abs diff | {s['prefill_logits_max_abs']:.2e} |",
+        f"| prefill post-norm hidden max abs diff | {s['prefill_hidden_max_abs']:.2e} |",
+        f"| prefill argmax agreement | {s['prefill_argmax_match']:.4f} |",
+        f"| packed tree forward logits max abs diff | {s['tree_logits_max_abs']:.2e} |",
+        f"| packed tree forward hidden max abs diff | {s['tree_hidden_max_abs']:.2e} |",
+        f"| packed tree argmax agreement | {s['tree_argmax_match']:.4f} |",
+        f"| drafter beams identical | {s['beams_equal']} |",
+        f"| drafter chosen log-probs max abs diff | {s['beam_logprob_max_abs']:.2e} |",
+        f"| packed tokens / depth / mask / unpacker identical | {s['packed_equal']} |",
+        f"| greedy ids: MLX ReDrafter == MLX AR | {s['mlx_redrafter_equals_mlx_ar']} |",
+        f"| greedy ids: PyTorch AR == MLX AR | {s['torch_ar_equals_mlx_ar']} |",
+        f"| greedy ids: PyTorch ReDrafter == MLX AR | {s['torch_redrafter_equals_mlx_ar']} |",
+        f"| MLX ReDrafter tokens per target call | {s['mlx_tokens_per_step']:.3f} |",
+    ]
+    t = r.get("tokenizer", {})
+    if "identical" in t:
+        lines.append(f"| tokenizer ids identical to transformers (GGUF) | {t['identical']}/{t['texts']} |")
+    lines += ["", f"Total time {r['total_s']} s. Per-prompt details in parity.json.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.parity", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="PyTorch device of the reference path")
+    p.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2-135M)")
+    p.add_argument("--drafter", default=None, help="drafter: shipped one if any, else random:0; or a path")
+    p.add_argument("--prompts", type=int, default=8, help="number of MT-bench prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--beam-width", type=int, default=4)
+    p.add_argument("--beam-length", type=int, default=5)
+    p.add_argument("--out", default=None, help="output dir (default bench/results/parity/<device>)")
+    a = p.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("error: the parity report needs PyTorch: make parity (installs the torch extra)", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / "parity" / a.device
+    try:
+        r = run(a.device, a.model, a.drafter, a.prompts, a.max_tokens, a.beam_width, a.beam_length, out)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(r))
+    print(f"wrote {out / 'parity.json'} and {out / 'parity.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
