@@ -28,7 +28,7 @@ setup: $(STAMP)  ## create .venv and install everything (optimized BLAS included
 chat: $(STAMP)  ## chat with the embedded default model
 	$(BIN)/redrafter-mlx chat
 
-test: $(STAMP)  ## run the test suite
+test: $(VENV)/.torch  ## run the test suite (installs the torch extra: parity and converter tests need it)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
