@@ -44,7 +44,8 @@ def _baseline(summary: list[dict], dtype: str, method: str) -> dict | None:
 def speedup_heatmap(summary: list[dict], title: str, path: Path) -> Path:
     """Mean speedup over our AR per (W, L), one panel per dtype; 1.0 = white, green faster, red slower."""
     dtypes = sorted({s["dtype"] for s in summary if s["method"] == "redrafter"})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(1.2 + 4.6 * len(dtypes), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(1.2 + 4.6 * len(dtypes), 4.6), squeeze=False,
+                             layout="constrained")
     for ax, dtype in zip(axes[0], dtypes):
         widths, lengths, cells = _cells(summary, dtype)
         grid = [[cells[(w, L)]["speedup_vs_ar"] if (w, L) in cells else float("nan") for w in widths]
@@ -76,7 +77,8 @@ def speedup_heatmap(summary: list[dict], title: str, path: Path) -> Path:
 def tokens_per_step(summary: list[dict], title: str, path: Path) -> Path:
     """Mean tokens per target call vs W, one line per L (AR = 1)."""
     dtypes = sorted({s["dtype"] for s in summary if s["method"] == "redrafter"})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(1.0 + 4.8 * len(dtypes), 4.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(1.0 + 4.8 * len(dtypes), 4.2), squeeze=False,
+                             layout="constrained")
     for ax, dtype in zip(axes[0], dtypes):
         widths, lengths, cells = _cells(summary, dtype)
         for L in lengths:
@@ -98,8 +100,8 @@ def time_split(summary: list[dict], title: str, path: Path) -> Path:
     """Stacked ms per step (draft / verify / accept) per cell, with AR's ms per token as a reference line."""
     dtypes = sorted({s["dtype"] for s in summary if s["method"] == "redrafter"})
     ncells = max(len(_cells(summary, d)[2]) for d in dtypes)
-    fig, axes = plt.subplots(len(dtypes), 1, figsize=(max(6.0, 0.5 * ncells + 2.5), 4.0 * len(dtypes)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(max(6.0, 0.5 * ncells + 2.5) + 2.6, 4.2 * len(dtypes)),
+                             squeeze=False, layout="constrained")
     for ax, dtype in zip(axes[:, 0], dtypes):
         widths, lengths, cells = _cells(summary, dtype)
         keys = [(w, L) for w in widths for L in lengths if (w, L) in cells]
@@ -117,7 +119,32 @@ def time_split(summary: list[dict], title: str, path: Path) -> Path:
         ax.set_xlabel("cell (W x L)")
         ax.set_ylabel("ms per decoding step")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.set_title(dtype, fontsize=10)
     fig.suptitle(title, fontsize=11)
     return _save(fig, path)
+
+
+def plot_all(summary: list[dict], title: str, out: Path, stem: str) -> dict[str, str]:
+    """All three plots as <out>/<stem>-{speedup,tokens-per-step,time-split}.png; returns their file names."""
+    return {
+        "speedup": speedup_heatmap(summary, title, out / f"{stem}-speedup.png").name,
+        "tokens_per_step": tokens_per_step(summary, title, out / f"{stem}-tokens-per-step.png").name,
+        "time_split": time_split(summary, title, out / f"{stem}-time-split.png").name,
+    }
+
+
+def plot_title(meta: dict) -> str:
+    m = meta["machine"]
+    return (f"{meta['device']}: {meta.get('model_name', '')} + {meta.get('drafter_name', '')} "
+            f"({m['cpu']}, {m['backend']}, BLAS {m['blas']})")
+
+
+if __name__ == "__main__":  # re-draw the plots of a run: python -m bench.plots bench/results/X/bench-ID.json
+    import json
+    import sys
+
+    for arg in sys.argv[1:]:
+        path = Path(arg)
+        meta = json.loads(path.read_text())
+        print(plot_all(meta["summary"], plot_title(meta), path.parent, path.stem))

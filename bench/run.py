@@ -89,7 +89,7 @@ def readme(meta: dict, summary: list[dict], best: dict[str, dict], files: dict[s
     lines = [
         f"# Benchmark results: {meta['device']}",
         "",
-        f"Latest run `{meta['run_id']}`: model `{meta['settings']['model']}`, drafter `{meta['settings']['drafter']}`, "
+        f"Latest run `{meta['run_id']}`: model `{meta['model_name']}`, drafter `{meta['settings']['drafter']}`, "
         f"{meta['settings']['num_prompts']} MT-bench first turns, max {meta['settings']['max_tokens']} new tokens, "
         f"greedy, {meta['settings']['repeats']} repeat(s), W in {meta['settings']['widths']}, "
         f"L in {meta['settings']['lengths']}.",
@@ -166,14 +166,8 @@ def run_bench(device: str, spec: SweepSpec, prompts_file: Path | None, num_promp
         meta["profile"] = profile_cell(spec, prompts[0], dtype, b["beam_width"], b["beam_length"], spec.max_tokens)
     from . import plots
 
-    m = meta["machine"]
-    title = f"{device}: {meta['model_name']} + {meta['drafter_name']} ({m['cpu']}, {m['backend']}, BLAS {m['blas']})"
-    files = {
-        "csv": csv_path.name, "json": json_path.name,
-        "speedup": plots.speedup_heatmap(summary, title, out / f"bench-{run_id}-speedup.png").name,
-        "tokens_per_step": plots.tokens_per_step(summary, title, out / f"bench-{run_id}-tokens-per-step.png").name,
-        "time_split": plots.time_split(summary, title, out / f"bench-{run_id}-time-split.png").name,
-    }
+    files = {"csv": csv_path.name, "json": json_path.name,
+             **plots.plot_all(summary, plots.plot_title(meta), out, f"bench-{run_id}")}
     meta["files"] = files
     write_text_atomic(json_path, json.dumps(meta, indent=2, default=str) + "\n")
     write_text_atomic(out / "README.md", readme(meta, summary, best, files))
