@@ -94,7 +94,8 @@ def readme(meta: dict, summary: list[dict], best: dict[str, dict], files: dict[s
         f"greedy, {meta['settings']['repeats']} repeat(s), W in {meta['settings']['widths']}, "
         f"L in {meta['settings']['lengths']}.",
         "",
-        f"Machine: {m['cpu']} ({m['cpu_cores']} cores, {m['memory_gb']} GB), {m['os_pretty']}, "
+        f"Machine: {m['cpu']} ({m['cpu_cores']} cores, {m['memory_gb']} GB, {m.get('cpu_features') or '-'}), "
+        f"{m['os_pretty']}, "
         f"MLX {m['mlx']} ({m['backend']}, {m['default_device']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}, "
         f"Python {m['python']}.",
         "",

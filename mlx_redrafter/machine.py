@@ -37,6 +37,22 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "neon", "asimd", "sve")
+
+
+def _cpu_features() -> str:
+    """SIMD features that matter for CPU kernels (Linux /proc/cpuinfo flags), comma-separated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return ",".join(x for x in _FEATURES if x in have)
+    except OSError:
+        pass
+    return ""
+
+
 def _memory_gb() -> float:
     """Physical memory in GB (0 when unknown)."""
     try:
@@ -66,6 +82,7 @@ def machine_info() -> dict[str, Any]:
     """Hardware, OS and library versions of this process (cached)."""
     info: dict[str, Any] = {
         "cpu": _cpu_model(),
+        "cpu_features": _cpu_features(),
         "cpu_cores": os.cpu_count() or 0,
         "memory_gb": _memory_gb(),
         "os": f"{platform.system()} {platform.release()}",
@@ -102,7 +119,7 @@ def _os_pretty() -> str:
     return platform.platform()
 
 
-FINGERPRINT_FIELDS = ("cpu", "cpu_cores", "memory_gb", "os", "arch", "backend", "blas", "gpu")
+FINGERPRINT_FIELDS = ("cpu", "cpu_features", "cpu_cores", "memory_gb", "os", "arch", "backend", "blas", "gpu")
 
 
 def fingerprint() -> str:
