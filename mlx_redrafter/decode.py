@@ -37,6 +37,7 @@ class Stats:
     accept_s: float = 0.0
     peak_memory_gb: float = 0.0
     stop_reason: str = ""
+    discarded_tokens: int = 0  # decided tokens dropped because they came after eos / max_tokens
 
     @property
     def tokens_per_step(self) -> float:
@@ -63,7 +64,7 @@ class Stats:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
             "accept_s": round(self.accept_s, 4), "peak_memory_gb": round(self.peak_memory_gb, 3),
-            "stop_reason": self.stop_reason,
+            "stop_reason": self.stop_reason, "discarded_tokens": self.discarded_tokens,
         }
 
 
@@ -82,9 +83,10 @@ class _Emitter:
         self.done = max_tokens <= 0
 
     def __call__(self, tokens: list[int]) -> list[int]:
-        tokens, hit_eos = truncate_at_eos(tokens, self.eos_ids)
-        tokens = tokens[: self.max_tokens - self.stats.generated_tokens]
+        decided = len(tokens)
+        tokens, hit_eos = truncate_at_eos(tokens[: self.max_tokens - self.stats.generated_tokens], self.eos_ids)
         self.stats.generated_tokens += len(tokens)
+        self.stats.discarded_tokens += decided - len(tokens) - hit_eos
         if hit_eos:
             self.done, self.stats.stop_reason = True, "eos"
         elif self.stats.generated_tokens >= self.max_tokens:
@@ -102,12 +104,16 @@ def generate_tokens(
     max_tokens: int = 256,
     eos_ids: list[int] = (),
     stats: Stats | None = None,
+    cache: KVCache | None = None,
 ) -> Iterator[list[int]]:
-    """Greedy decoding; ReDrafter when a drafter is given, else autoregressive. Yields new token ids."""
+    """Greedy decoding; ReDrafter when a drafter is given, else autoregressive. Yields new token ids.
+
+    `cache` may be passed in (empty) to inspect it afterwards."""
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
     W, L = beam_width, beam_length
-    cache = KVCache(len(model.model.layers), len(prompt) + max_tokens + (W * L if drafter else 1))
+    if cache is None:
+        cache = KVCache(len(model.model.layers), len(prompt) + max_tokens + (W * L if drafter else 1))
     emit = _Emitter(stats, max_tokens, list(eos_ids))
     mx.reset_peak_memory()
 

@@ -1,0 +1,62 @@
+"""Our Llama against mlx-lm's implementation on the same weights, and the packed tree forward."""
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama as mlx_lm_llama
+from mlx_redrafter.cache import KVCache
+from mlx_redrafter.tree import pack, verify_mask
+
+
+def mlx_lm_model(target):
+    a = target.model.args
+    args = mlx_lm_llama.ModelArgs(
+        model_type="llama", hidden_size=a.hidden_size, num_hidden_layers=a.num_hidden_layers,
+        intermediate_size=a.intermediate_size, num_attention_heads=a.num_attention_heads,
+        rms_norm_eps=a.rms_norm_eps, vocab_size=a.vocab_size, head_dim=a.head_dim,
+        num_key_value_heads=a.num_key_value_heads, rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
+    )
+    m = mlx_lm_llama.Model(args)
+    m.load_weights(tree_flatten(target.model.parameters()), strict=True)
+    return m
+
+
+def test_logits_match_mlx_lm(target, chat_ids):
+    ids = mx.array([chat_ids[0]])
+    ref = mlx_lm_model(target)(ids)
+    ours, hidden = target.model(ids, KVCache(30, 256))
+    assert ours.shape == ref.shape == (1, len(chat_ids[0]), 49152)
+    assert hidden.shape == (1, len(chat_ids[0]), 576)
+    assert mx.abs(ours - ref).max().item() <= 1e-4
+
+
+def test_the_embedded_model_answers_sensibly(target):
+    tok = target.tokenizer
+    ids = tok.encode(tok.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]))
+    cache = KVCache(30, 256)
+    logits, _ = target.model(mx.array([ids]), cache, last_only=True)
+    cache.advance(len(ids))
+    out = [mx.argmax(logits[0, -1]).item()]
+    for _ in range(6):
+        logits, _ = target.model(mx.array([[out[-1]]]), cache)
+        cache.advance(1)
+        out.append(mx.argmax(logits[0, -1]).item())
+    assert "Paris" in tok.decode(out)
+
+
+def test_packed_tree_forward_matches_each_beam_alone(target, chat_ids):
+    prompt = chat_ids[1]
+    cache = KVCache(30, 512)
+    target.model(mx.array([prompt]), cache)
+    cache.advance(len(prompt))
+    beams = mx.array([[504, 314, 260, 1171], [504, 314, 3226, 28], [504, 4012, 260, 9]])
+    tree = pack(beams)
+    assert tree.size == 9
+    logits, hidden = target.model(
+        tree.tokens[None], cache, (cache.offset + tree.depth)[None], verify_mask(tree.mask, cache.offset)
+    )
+    for i in range(beams.shape[0]):
+        ref_logits, ref_hidden = target.model(beams[i][None], cache)  # causal, positions offset..offset+L-1
+        got = tree.unpacker[i]
+        assert mx.abs(logits[0, got] - ref_logits[0]).max().item() <= 1e-4
+        assert mx.abs(hidden[0, got] - ref_hidden[0]).max().item() <= 1e-4

@@ -1,0 +1,84 @@
+"""Prefix dedup, packing, tree mask and unpacker against hand-made beams and a brute-force construction."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+from mlx_redrafter.tree import pack, prefix_of, verify_mask
+
+
+def brute_force(beams: np.ndarray):
+    """Trie-free reference: packed list of unique prefixes in (beam, depth) order."""
+    W, L = beams.shape
+    index: dict[tuple, int] = {}
+    tokens, depth = [], []
+    for i, k in itertools.product(range(W), range(L)):
+        key = tuple(beams[i, : k + 1])
+        if key not in index:
+            index[key] = len(tokens)
+            tokens.append(beams[i, k])
+            depth.append(k)
+    unpacker = np.array([[index[tuple(beams[i, : k + 1])] for k in range(L)] for i in range(W)])
+    P = len(tokens)
+    mask = np.zeros((P, P), dtype=bool)
+    for key, a in index.items():
+        for k in range(len(key)):
+            mask[a, index[key[: k + 1]]] = True
+    return np.array(tokens), np.array(depth), unpacker, mask
+
+
+def check(beams_list):
+    beams = np.array(beams_list)
+    tree = pack(mx.array(beams))
+    tokens, depth, unpacker, mask = brute_force(beams)
+    assert tree.size == len(tokens)
+    np.testing.assert_array_equal(np.array(tree.tokens), tokens)
+    np.testing.assert_array_equal(np.array(tree.depth), depth)
+    np.testing.assert_array_equal(np.array(tree.unpacker), unpacker)
+    np.testing.assert_array_equal(np.array(tree.mask), mask)
+    # every beam slot unpacks to its own token
+    np.testing.assert_array_equal(np.array(tree.tokens)[np.array(tree.unpacker)], beams)
+    return tree
+
+
+def test_paper_example_packs_twelve_tokens_into_nine():
+    tree = check([[7, 3, 5, 9], [7, 3, 8, 2], [7, 4, 1, 6]])
+    assert tree.size == 9
+
+
+def test_identical_beams_pack_into_one_beam():
+    tree = check([[5, 6, 7, 8, 9]] * 4)
+    assert tree.size == 5
+    assert np.array(tree.unpacker).tolist() == [[0, 1, 2, 3, 4]] * 4
+
+
+def test_distinct_beams_share_only_the_first_token():
+    tree = check([[1, 2, 3], [1, 4, 5], [1, 6, 7], [1, 8, 9]])
+    assert tree.size == 1 + 4 * 2
+
+
+def test_single_beam_is_a_causal_chain():
+    tree = check([[3, 1, 4, 1, 5]])
+    assert np.array(tree.mask).tolist() == np.tril(np.ones((5, 5), dtype=bool)).tolist()
+
+
+def test_random_beams_match_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        W, L = rng.integers(1, 9), rng.integers(2, 7)
+        beams = rng.integers(0, 3, size=(W, L))  # small alphabet: many shared prefixes
+        beams[:, 0] = 11
+        check(beams.tolist())
+
+
+def test_prefix_of_is_batched():
+    b = mx.array([[[1, 2, 3], [1, 2, 4]], [[1, 5, 6], [1, 7, 6]]])
+    assert prefix_of(b).tolist() == [[[0, 0, 0], [0, 0, 1]], [[0, 0, 0], [0, 1, 1]]]
+
+
+def test_verify_mask_sees_whole_context():
+    tree = pack(mx.array([[1, 2], [1, 3]]))
+    m = np.array(verify_mask(tree.mask, 4))
+    assert m.shape == (1, 1, 3, 7)
+    assert m[0, 0, :, :4].all()
+    assert m[0, 0, :, 4:].tolist() == [[True, False, False], [True, True, False], [True, False, True]]
