@@ -27,7 +27,7 @@ from .harness import (
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-QUICK = {"num_prompts": 3, "max_tokens": 64, "widths": [1, 2, 4], "lengths": [3, 5], "repeats": 1}
+QUICK = {"num_prompts": 3, "max_tokens": 64, "widths": [1, 4], "lengths": [3, 5], "repeats": 1}
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -37,6 +37,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -164,7 +165,8 @@ def run_bench(device: str, spec: SweepSpec, prompts_file: Path | None, num_promp
     meta["best"] = best
     if profile and best:
         dtype, b = max(best.items(), key=lambda kv: kv[1]["decode_tokens_per_s"])
-        meta["profile"] = profile_cell(spec, prompts[0], dtype, b["beam_width"], b["beam_length"], spec.max_tokens)
+        meta["profile"] = profile_cell(spec, prompts[0], dtype, b["beam_width"], b["beam_length"],
+                                       min(spec.max_tokens, 64))
     from . import plots
 
     files = {"csv": csv_path.name, "json": json_path.name,

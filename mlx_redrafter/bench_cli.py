@@ -39,7 +39,7 @@ def _fail(msg: str) -> None:
 
 def bench(
     device: str = typer.Option(..., "--device", help="Label of this machine: results go to bench/results/LABEL/."),
-    quick: bool = typer.Option(False, "--quick", help="3 prompts, 64 tokens, W in 1,2,4 x L in 3,5 (minutes)."),
+    quick: bool = typer.Option(False, "--quick", help="3 prompts, 64 tokens, W in 1,4 x L in 3,5 (minutes)."),
     prompts_file: Path | None = typer.Option(None, help="JSONL prompts (MT-bench 'turns' or 'prompt')."),
     widths: str | None = typer.Option(None, help="Beam widths, comma-separated [1,2,3,4,8]."),
     lengths: str | None = typer.Option(None, help="Beam lengths, comma-separated [2,3,4,5,6]."),
