@@ -7,12 +7,17 @@ from typing import Any
 
 from .harness import SweepSpec, best_cells, read_prompts, summarize, sweep
 
-TUNE_DEFAULTS = {"num_prompts": 3, "max_tokens": 64, "widths": [1, 2, 4], "lengths": [3, 4, 5]}
+# Speculation can only win when a target call decides more than one token: a cell below this many tokens per
+# step does strictly more work per token than AR, so a measured "speedup" there is timing noise.
+MIN_TOKENS_PER_STEP = 1.1
 
 
 def decide(summary: list[dict[str, Any]], min_speedup: float) -> dict[str, Any]:
-    """The tuned entry: the fastest dtype's best cell if it beats that dtype's AR by `min_speedup`, else AR."""
-    best = best_cells(summary)
+    """The tuned entry: the fastest dtype's best cell if it beats that dtype's AR by `min_speedup` (and decides
+    at least MIN_TOKENS_PER_STEP tokens per target call), else AR."""
+    eligible = [s for s in summary if s["method"] != "redrafter" or s["tokens_per_step"] >= MIN_TOKENS_PER_STEP]
+    best = best_cells(eligible)
+    fallback = best_cells(summary)
     options = []
     for s in summary:
         if s["method"] != "ar":
@@ -28,9 +33,7 @@ def decide(summary: list[dict[str, Any]], min_speedup: float) -> dict[str, Any]:
             options.append({"decision": "ar", "dtype": s["dtype"], "beam_width": 0, "beam_length": 0,
                             "speedup_vs_ar": 1.0, "decode_tokens_per_s": s["decode_tokens_per_s"],
                             "ar_decode_tokens_per_s": s["decode_tokens_per_s"],
-                            "best_cell": None if cell is None else {
-                                "beam_width": cell["beam_width"], "beam_length": cell["beam_length"],
-                                "speedup_vs_ar": cell["speedup_vs_ar"]}})
+                            "best_cell": _brief(cell or fallback.get(s["dtype"]))})
     return max(options, key=lambda o: o["decode_tokens_per_s"])
 
 
@@ -50,3 +53,9 @@ def run_tune(spec: SweepSpec, prompts_file: Path | None, num_prompts: int, min_s
                       for s in summary if s["method"] == "redrafter"]
     path = tuning.store(spec.model, spec.drafter, entry)
     return entry, path
+
+
+def _brief(cell: dict[str, Any] | None) -> dict[str, Any] | None:
+    if cell is None:
+        return None
+    return {k: cell[k] for k in ("beam_width", "beam_length", "speedup_vs_ar", "tokens_per_step")}

@@ -73,3 +73,24 @@ def test_tune_then_generate_uses_decision(tuned_file):
 
     out = _generate("-w", "1", "-l", "2")  # explicit flags win over the tuned cell
     assert (out["beam_width"], out["beam_length"], out["settings_source"]) == (1, 2, "flags")
+
+
+def _cell(dtype: str, method: str, w: int, L: int, tps: float, speedup: float, tok_s: float) -> dict:
+    return {"dtype": dtype, "method": method, "beam_width": w, "beam_length": L, "tokens_per_step": tps,
+            "speedup_vs_ar": speedup, "decode_tokens_per_s": tok_s, "match_ar": 1.0}
+
+
+def test_decide_rules():
+    """Needs > MIN_TOKENS_PER_STEP and >= min_speedup to pick a cell; across dtypes the fastest wins."""
+    from bench.tune import decide
+
+    ar = _cell("float32", "ar", 0, 0, 1.0, 1.0, 10.0)
+    noise = _cell("float32", "redrafter", 1, 2, 1.0, 1.2, 12.0)  # no token gained per call: timing noise
+    assert decide([ar, noise], 1.03)["decision"] == "ar"
+    good = _cell("float32", "redrafter", 2, 4, 2.1, 1.5, 15.0)
+    assert (decide([ar, noise, good], 1.03)["beam_width"], decide([ar, noise, good], 1.03)["beam_length"]) == (2, 4)
+    assert decide([ar, good], 1.6)["decision"] == "ar"
+    fp16_ar = _cell("float16", "ar", 0, 0, 1.0, 1.0, 20.0)
+    fp16 = _cell("float16", "redrafter", 1, 3, 1.8, 1.04, 20.8)
+    got = decide([ar, good, fp16_ar, fp16], 1.03)
+    assert (got["decision"], got["dtype"], got["beam_width"]) == ("redrafter", "float16", 1)
