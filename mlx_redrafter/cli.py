@@ -153,6 +153,9 @@ def chat(
 from .bench_cli import register as _register_bench  # noqa: E402  (bench + tune commands)
 
 _register_bench(app)
+from .train_cli import register as _register_train  # noqa: E402  (train + eval-drafter commands)
+
+_register_train(app)
 
 
 def main() -> None:
