@@ -67,6 +67,7 @@ def profile_cell(spec: SweepSpec, prompt: Prompt, dtype: str, W: int, L: int, ma
     """One generation under a timing ledger (each timed function evaluated at its boundary); returns the ledger."""
     from mlx_redrafter import api, decode
     from mlx_redrafter.cache import KVCache
+    from mlx_redrafter.drafter import Drafter
     from mlx_redrafter.ledger import Ledger, instrument
     from mlx_redrafter.model import Model
 
@@ -77,6 +78,9 @@ def profile_cell(spec: SweepSpec, prompt: Prompt, dtype: str, W: int, L: int, ma
     targets: dict[Any, Any] = {decode: fns, Model: {"__call__": "Model.forward"}}
     if "commit" in KVCache.__dict__:
         targets[KVCache] = ["commit"]
+    drafter_fns = [f for f in ("next_state", "logits") if f in Drafter.__dict__]
+    if drafter_fns:
+        targets[Drafter] = drafter_fns
     api.generate(runner, ids, max_tokens=min(16, max_tokens), beam_width=W, beam_length=L)  # warm-up
     with instrument(targets), Ledger() as led:
         res = api.generate(runner, ids, max_tokens=max_tokens, beam_width=W, beam_length=L)
@@ -136,8 +140,7 @@ def run_bench(device: str, spec: SweepSpec, prompts_file: Path | None, num_promp
     spec.device = device
     spec.check()
     prompts = read_prompts(prompts_file, num_prompts)
-    out = out_root / device
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_root / device  # created by the first write (a run that fails early leaves no empty folder)
     run_id = time.strftime("%Y%m%d-%H%M%S")
     csv_path, json_path = out / f"bench-{run_id}.csv", out / f"bench-{run_id}.json"
     meta: dict[str, Any] = {
