@@ -95,9 +95,11 @@ def pick_dtype(dtype: str, quantized_source: bool) -> str:
 def _dequantize_all(weights: dict[str, mx.array], quant: dict[str, dict], dtype: mx.Dtype) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     for module, q in quant.items():
+        # Dequantize in float32: GGUF scales/biases are float16 and mx.dequantize computes in their dtype.
+        biases = weights.get(module + ".biases")
         out[module + ".weight"] = mx.dequantize(
-            weights[module + ".weight"], weights[module + ".scales"], weights.get(module + ".biases"),
-            group_size=q["group_size"], bits=q["bits"],
+            weights[module + ".weight"], weights[module + ".scales"].astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32), group_size=q["group_size"], bits=q["bits"],
         ).astype(dtype)
     for k, v in weights.items():
         module = k.rsplit(".", 1)[0]
