@@ -171,7 +171,8 @@ def instrument(targets: dict[Any, list[str] | dict[str, str]]) -> Iterator[None]
     """Temporarily wrap existing attributes with `timed`: {module_or_class: ["attr", ...] or {"attr": "label"}}.
 
     For code that does not call `timed` itself yet. Patches the attribute where it is looked up (e.g. the
-    name a module imported with `from x import f`), restores everything on exit.
+    name a module imported with `from x import f`), restores everything on exit. Attributes already decorated
+    with `timed` are left alone (they record under their own name).
     """
     saved: list[tuple[Any, str, Any]] = []
     try:
@@ -179,6 +180,8 @@ def instrument(targets: dict[Any, list[str] | dict[str, str]]) -> Iterator[None]
             labels = attrs if isinstance(attrs, dict) else {a: None for a in attrs}
             for attr, label in labels.items():
                 orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+                if hasattr(orig, "__ledger_wrapped__"):
+                    continue  # already decorated with @timed where it is defined
                 default = f"{getattr(owner, '__name__', type(owner).__name__).rsplit('.', 1)[-1]}.{attr}"
                 saved.append((owner, attr, orig))
                 setattr(owner, attr, timed(label or default)(orig))

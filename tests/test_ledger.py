@@ -47,3 +47,12 @@ def test_instrument_wraps_and_restores():
         assert mod._plain(mx.array(1)).item() == 2
     assert mod._plain is orig
     assert [r["name"] for r in led.rows()] == ["plain"]
+
+
+def test_instrument_skips_already_timed():
+    mod = sys.modules[__name__]
+    orig = mod._square
+    with instrument({mod: ["_square"]}), Ledger() as led:
+        assert mod._square is orig
+        mod._square(mx.array(2))
+    assert [r["name"] for r in led.rows()] == ["square"]
