@@ -1,1 +1,1 @@
-"""Benchmark harness (W x L sweep vs AR and mlx-lm, CSV/JSON/plots) and auto-tune for redrafter-mlx."""
+"""Benchmarks: W x L sweep vs AR and mlx-lm (harness/run/plots), auto-tune, PyTorch reference and parity."""
