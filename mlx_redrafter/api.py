@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 
@@ -62,7 +62,7 @@ def resolve_drafter(spec: str | None, target: Target) -> tuple[Drafter | None, s
             seed = int(parts[1]) if len(parts) > 1 else 0
             exit_dim = int(parts[2]) if len(parts) > 2 else None
         except ValueError:
-            raise UserError(f"bad drafter spec {spec!r}: use random:SEED or random:SEED:EXIT_DIM (integers)")
+            raise UserError(f"bad drafter spec {spec!r}: use random:SEED or random:SEED:EXIT_DIM (integers)") from None
         return random_drafter(args.hidden_size, args.vocab_size, seed, exit_dim=exit_dim, dtype=act), spec
     else:
         name = spec

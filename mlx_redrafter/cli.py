@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -34,9 +33,9 @@ def _result_json(res, prompt: str) -> dict:
 
 @app.command()
 def generate(
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
-    prompts_file: Optional[Path] = typer.Option(None, help="JSONL file, one {\"prompt\": ...} per line."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Prompt text."),
+    prompts_file: Path | None = typer.Option(None, help="JSONL file, one {\"prompt\": ...} per line."),
+    model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     drafter: str = typer.Option("default", help=DRAFTER_HELP),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain autoregressive decoding."),
     beam_width: int | None = typer.Option(None, "--beam-width", "-w", help=BEAM_W_HELP),
@@ -71,9 +70,10 @@ def generate(
                     sys.stdout.write(piece)
                     sys.stdout.flush()
                 sys.stdout.write("\n")
+                used = "none" if kw["no_draft"] else runner.drafter_name
                 typer.echo(
                     f"[{stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
-                    f"{stats.tokens_per_step:.2f} tokens/step, drafter={runner.drafter_name if not kw['no_draft'] else 'none'}]",
+                    f"{stats.tokens_per_step:.2f} tokens/step, dtype={runner.target.dtype}, drafter={used}]",
                     err=True,
                 )
     except UserError as e:
@@ -91,7 +91,7 @@ def _read_prompts(path: Path) -> list[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
-                raise UserError(f"{path}:{i} is not valid JSON (expected {{\"prompt\": ...}} per line)")
+                raise UserError(f"{path}:{i} is not valid JSON (expected {{\"prompt\": ...}} per line)") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise UserError(f"{path}:{i} has no \"prompt\" string")
             prompts.append(obj["prompt"])
@@ -102,7 +102,7 @@ def _read_prompts(path: Path) -> list[str]:
 
 @app.command()
 def chat(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     drafter: str = typer.Option("default", help=DRAFTER_HELP),
     no_draft: bool = typer.Option(False, "--no-draft"),
     beam_width: int | None = typer.Option(None, "--beam-width", "-w", help=BEAM_W_HELP),

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import mlx.core as mx
 
@@ -75,6 +75,13 @@ def prefill(model: Model, prompt: list[int], cache: KVCache) -> tuple[mx.array, 
     return mx.argmax(logits[:, -1], axis=-1), hidden[:, -1]
 
 
+def ar_step(model: Model, token: mx.array, cache: KVCache) -> mx.array:
+    """One autoregressive step (lazy): feed token (1,), return the target's next token (1,)."""
+    logits, _ = model(token[:, None], cache)
+    cache.advance(1)
+    return mx.argmax(logits[:, -1], axis=-1)
+
+
 class _Emitter:
     """Applies eos and max-token limits to the tokens a step produces."""
 
@@ -125,11 +132,12 @@ def generate_tokens(
     if out:
         yield out
     t_start = time.perf_counter()
+    queued = None
     while not emit.done:
-        if drafter is None:  # autoregressive step
-            logits, _ = model(g0[:, None], cache)
-            cache.advance(1)
-            g0 = mx.argmax(logits[:, -1], axis=-1)
+        if drafter is None:  # autoregressive step; the next one is queued before this one is read
+            g0 = queued if queued is not None else ar_step(model, g0, cache)
+            queued = ar_step(model, g0, cache) if stats.generated_tokens + 1 < max_tokens else None
+            mx.async_eval(g0 if queued is None else queued)
             tokens = [g0.item()]
             stats.steps += 1
         else:

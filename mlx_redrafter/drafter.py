@@ -41,7 +41,7 @@ class DrafterArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "DrafterArgs":
+    def from_dict(cls, cfg: dict[str, Any]) -> DrafterArgs:
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         missing = [k for k in ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers") if k not in cfg]
         if missing:
@@ -158,19 +158,20 @@ def load_drafter(path: str | Path, dtype: mx.Dtype = mx.float32) -> Drafter:
     try:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"drafter config {cfg_file} is not valid JSON ({e.msg} at line {e.lineno})")
+        raise UserError(f"drafter config {cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
     if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise UserError(f"{cfg_file} is a {cfg.get('model_type')!r} config, not a ReDrafter drafter")
     args = DrafterArgs.from_dict(cfg)
     try:
         weights = mx.load(str(weights_file))
     except Exception as e:
-        raise UserError(f"cannot read drafter weights {weights_file}: {str(e).splitlines()[0]}")
+        raise UserError(f"cannot read drafter weights {weights_file}: {str(e).splitlines()[0]}") from None
     drafter = Drafter(args)
     try:
         drafter.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise UserError(f"drafter weights {weights_file} do not match its config.json: {str(e).splitlines()[0]}")
+        detail = str(e).splitlines()[0]
+        raise UserError(f"drafter weights {weights_file} do not match its config.json: {detail}") from None
     if args.draft_vocab_size:
         drafter.draft_vocab = drafter.draft_vocab.astype(mx.int32)
     _cast_floats(drafter, dtype)

@@ -42,7 +42,7 @@ def read_gguf(path: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
     try:
         return mx.load(path, return_metadata=True)
     except Exception as e:  # MLX raises RuntimeError/ValueError with long messages
-        raise UserError(f"cannot read GGUF file {path}: {str(e).splitlines()[0]} (is the file complete?)")
+        raise UserError(f"cannot read GGUF file {path}: {str(e).splitlines()[0]} (is the file complete?)") from None
 
 
 def gguf_config(meta: dict[str, Any]) -> dict[str, Any]:

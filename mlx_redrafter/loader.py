@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +74,7 @@ def resolve_model(spec: str | None) -> tuple[str, Path]:
         raise UserError(
             f"cannot fetch {repo} from the Hugging Face hub ({type(e).__name__}); connect to the internet "
             f"once to cache it, or pass a local directory with --model"
-        )
+        ) from None
     return spec, Path(local)
 
 
@@ -131,7 +130,7 @@ def build_model(cfg: dict[str, Any], weights: dict[str, mx.array], quant: dict[s
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise UserError(f"model weights do not match a Llama model: {str(e).splitlines()[0]}")
+        raise UserError(f"model weights do not match a Llama model: {str(e).splitlines()[0]}") from None
     mx.eval(model.parameters())
     return model
 
@@ -151,7 +150,7 @@ def _load_dir(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], T
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
-            raise UserError(f"cannot read {f}: {str(e).splitlines()[0]}")
+            raise UserError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
     qcfg = cfg.get("quantization") or cfg.get("quantization_config") or {}
     quant: dict[str, dict] = {}
     for k in weights:

@@ -43,7 +43,7 @@ class ModelArgs:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelArgs":
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelArgs:
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         args = {k: v for k, v in cfg.items() if k in known}
         return cls(**args, extra={k: v for k, v in cfg.items() if k not in known})

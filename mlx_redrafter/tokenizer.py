@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -53,7 +54,7 @@ class TextTokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "TextTokenizer":
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> TextTokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise UserError(
@@ -92,7 +93,7 @@ class TextTokenizer:
         )
 
     @classmethod
-    def from_dir(cls, path: Path, config: dict[str, Any]) -> "TextTokenizer":
+    def from_dir(cls, path: Path, config: dict[str, Any]) -> TextTokenizer:
         file = path / "tokenizer.json"
         if not file.exists():
             raise UserError(f"{path} has no tokenizer.json; add the model's HF tokenizer files")

@@ -3,8 +3,9 @@
 import json
 from pathlib import Path
 
-import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import pytest
+
+import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
 

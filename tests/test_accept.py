@@ -1,6 +1,7 @@
 """Greedy acceptance and eos handling inside an accepted run."""
 
 import mlx.core as mx
+
 from mlx_redrafter.accept import accept_greedy, truncate_at_eos
 from mlx_redrafter.decode import Stats, _Emitter
 

@@ -3,6 +3,7 @@
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama as mlx_lm_llama
+
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.tree import pack, verify_mask
 

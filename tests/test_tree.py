@@ -4,6 +4,7 @@ import itertools
 
 import mlx.core as mx
 import numpy as np
+
 from mlx_redrafter.tree import pack, prefix_of, verify_mask
 
 

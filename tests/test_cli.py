@@ -1,0 +1,84 @@
+"""Bad input ends with one line on stderr, a non-zero exit code and no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlx_redrafter.drafter import random_drafter, save_drafter
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlx_redrafter.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for n in needles:
+        assert n in lines[0]
+
+
+@pytest.fixture(scope="module")
+def wrong_drafters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    hidden = save_drafter(random_drafter(64, 49152, seed=0), root / "hidden64")
+    vocab = save_drafter(random_drafter(576, 32000, seed=0, exit_dim=64), root / "vocab32000")
+    return hidden, vocab
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["-p", "hi", "--beam-width", "0"], ["--beam-width"]),
+        (["-p", "hi", "--beam-length", "1"], ["--beam-length"]),
+        (["-p", "   "], ["prompt is empty"]),
+        (["-p", "hi", "--dtype", "float64"], ["unknown dtype", "float64"]),
+        (["-p", "hi", "--model", "/nonexistent/model.gguf"], ["does not exist"]),
+        (["-p", "hi", "--model", "no-such-alias"], ["unknown model"]),
+        (["-p", "hi", "--drafter", "/nonexistent/drafter"], ["drafter", "does not exist"]),
+    ],
+)
+def test_bad_arguments(args, needles):
+    assert_one_line_error(run_cli("generate", *args), *needles)
+
+
+def test_corrupt_and_empty_model_files(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(bad)), "cannot read GGUF")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(empty)), "empty")
+
+
+def test_drafter_for_another_model(wrong_drafters):
+    hidden, vocab = wrong_drafters
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--drafter", str(hidden)), "hidden_size 64", "576")
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--drafter", str(vocab)), "vocab_size 32000", "49152")
+
+
+def test_prompt_longer_than_context():
+    assert_one_line_error(run_cli("generate", "--raw", "-p", "hello " * 9000), "context is 8192")
+
+
+def test_prompts_file_writes_one_json_per_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Say hi."}) + "\n" + json.dumps({"prompt": "Count to 3."}) + "\n")
+    proc = run_cli("generate", "--prompts-file", str(f), "--json", "--drafter", "random:0:64",
+                   "-w", "2", "-l", "3", "-n", "12")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        for key in ("text", "tokens", "prompt_tokens", "generated_tokens", "steps", "tokens_per_step",
+                    "verified_tokens", "candidate_tokens", "decode_tokens_per_s", "prefill_s", "beam_width",
+                    "beam_length", "dtype", "model", "drafter"):
+            assert key in row
+        assert row["generated_tokens"] == len(row["tokens"]) <= 12
+        assert row["beam_width"] == 2 and row["beam_length"] == 3 and row["dtype"] == "float32"
+        assert row["candidate_tokens"] == 6 * row["steps"]
