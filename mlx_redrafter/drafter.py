@@ -122,13 +122,18 @@ def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int, where
 
 
 def random_drafter(hidden_size: int, vocab_size: int, seed: int, exit_dim: int | None = None,
-                   num_draft_layers: int = 2, rnn: bool = True, dtype: mx.Dtype = mx.float32) -> Drafter:
-    """A randomly initialised drafter of the given shape (for exactness tests and smoke runs)."""
+                   num_draft_layers: int = 2, rnn: bool = True, draft_vocab_size: int | None = None,
+                   dtype: mx.Dtype = mx.float32) -> Drafter:
+    """A randomly initialised drafter of the given shape (for exactness tests and smoke runs).
+
+    With `draft_vocab_size` = K the head drafts over K random distinct token ids (cheaper drafting)."""
     mx.random.seed(seed)
     args = DrafterArgs(vocab_size=vocab_size, hidden_size=hidden_size, exit_dim=exit_dim or 2 * hidden_size,
-                       num_draft_layers=num_draft_layers, rnn=rnn)
+                       num_draft_layers=num_draft_layers, rnn=rnn, draft_vocab_size=draft_vocab_size)
     d = Drafter(args)
-    d.set_dtype(dtype)
+    if draft_vocab_size:
+        d.draft_vocab = mx.sort(mx.random.permutation(vocab_size)[:draft_vocab_size]).astype(mx.int32)
+    _cast_floats(d, dtype)
     mx.eval(d.parameters())
     return d
 
