@@ -48,6 +48,8 @@ def read_gguf(path: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
 def gguf_config(meta: dict[str, Any]) -> dict[str, Any]:
     """mlx-lm style config.json dict from GGUF metadata."""
     arch = _scalar(meta, "general.architecture")
+    if arch is None:
+        raise UserError("the GGUF file has no model metadata (general.architecture): is the file complete?")
     if arch != "llama":
         raise UserError(f"GGUF architecture {arch!r} is not supported (only 'llama' family models)")
     p = "llama."

@@ -48,9 +48,17 @@ def test_bad_arguments(args, needles):
 
 
 def test_corrupt_and_empty_model_files(tmp_path):
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"GGUF" + b"\x00" * 64)
-    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(bad)), "cannot read GGUF")
+    from mlx_redrafter.loader import default_model_path
+
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(default_model_path().read_bytes()[:1_000_000])
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(truncated)), "cannot read GGUF")
+    headless = tmp_path / "headless.gguf"
+    headless.write_bytes(b"GGUF" + b"\x00" * 64)
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(headless)), "no model metadata")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a model at all")
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(garbage)), "cannot read GGUF")
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(empty)), "empty")
