@@ -40,7 +40,7 @@ class TrainConfig:
     num_draft_layers: int = 2
     draft_vocab_size: int = 8192
     draft_len: int = 5  # T: drafted tokens trained per context position
-    steps: int = 600
+    steps: int = 1200
     batch_size: int = 256  # context positions per step (x T predictions)
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
@@ -48,8 +48,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     val_fraction: float = 0.03
-    eval_every: int = 100
-    checkpoint_every: int = 100
+    eval_every: int = 200
+    checkpoint_every: int = 200
     seed: int = 0
     init_from_target: bool = True  # head = target's (tied) unembedding rows, input_proj = [I 0]
 
@@ -96,21 +96,20 @@ def _positions(shards: list[Shard]) -> Dataset:
 
 
 def load_dataset(paths: list[Path], val_fraction: float = 0.03) -> tuple[Dataset, Dataset]:
-    """(train, held-out) datasets from shard files; the held-out part is the last sequences of the last shards."""
+    """(train, held-out) datasets from shard files; the held-out part is the last sequences of the last shard."""
     if not paths:
         raise UserError("no distillation shards to train on: generate data first")
     shards = [load_shard(p) for p in paths]
-    n_val = max(1, round(len(shards) * val_fraction)) if len(shards) > 1 else 0
-    if n_val == 0:  # one shard: split its sequences
-        sh = shards[0]
-        k = max(1, int(sh.num_sequences * (1 - val_fraction)))
-        if k >= sh.num_sequences:
-            return _positions([sh]), _positions([sh])
-        cut_t, cut_h = int(sh.offsets[k]), int(sh.offsets[k]) - k
-        a = Shard(sh.tokens[:cut_t], sh.offsets[: k + 1], sh.prompt_len[:k], sh.hidden[:cut_h])
-        b = Shard(sh.tokens[cut_t:], sh.offsets[k:] - cut_t, sh.prompt_len[k:], sh.hidden[cut_h:])
-        return _positions([a]), _positions([b])
-    return _positions(shards[:-n_val]), _positions(shards[-n_val:])
+    sh = shards[-1]
+    total = sum(s.num_sequences for s in shards)
+    n_val = min(max(1, round(total * val_fraction)), sh.num_sequences - 1 if len(shards) == 1 else sh.num_sequences)
+    if n_val <= 0:  # a single one-sequence shard: evaluate on the training data
+        return _positions(shards), _positions(shards)
+    k = sh.num_sequences - n_val
+    cut_t, cut_h = int(sh.offsets[k]), int(sh.offsets[k]) - k
+    a = Shard(sh.tokens[:cut_t], sh.offsets[: k + 1], sh.prompt_len[:k], sh.hidden[:cut_h])
+    b = Shard(sh.tokens[cut_t:], sh.offsets[k:] - cut_t, sh.prompt_len[k:], sh.hidden[cut_h:])
+    return _positions(shards[:-1] + ([a] if k > 0 else [])), _positions([b])
 
 
 def draft_vocabulary(ds: Dataset, k: int, vocab_size: int, always: list[int]) -> np.ndarray:

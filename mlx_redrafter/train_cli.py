@@ -36,15 +36,15 @@ def train(
     output: Path = typer.Option(DEFAULT_OUT, "--output", "-o", help="Where the trained drafter is written."),
     model: str | None = typer.Option(None, "--model", "-m", help="Target model (default: embedded SmolLM2-135M)."),
     prompts: Path = typer.Option(DEFAULT_PROMPTS, help="JSONL prompts file ({\"prompt\", \"source\"} per line)."),
-    num_prompts: int = typer.Option(4096, help="Use the first N prompts of the file."),
+    num_prompts: int = typer.Option(832, help="Use the first N prompts of the file (13 shards of 64)."),
     mix: bool = typer.Option(False, "--mix/--no-mix",
                              help="Reweight by `source` toward general chat (for the full shared pool)."),
     max_new_tokens: int = typer.Option(256, help="Step 1: longest greedy answer per prompt."),
     batch_size: int = typer.Option(64, help="Step 1: prompts generated together."),
-    gen_minutes: float = typer.Option(35.0, help="Step 1: stop starting new shards after this many minutes."),
+    gen_minutes: float = typer.Option(90.0, help="Step 1: stop starting new shards after this many minutes."),
     cache_dir: Path = typer.Option(Path(".cache/distill"), help="Step 1: shard cache (resumable)."),
     run_dir: Path = typer.Option(Path("runs/drafter"), help="Step 2: checkpoints, history.jsonl."),
-    steps: int = typer.Option(600, help="Step 2: optimizer steps."),
+    steps: int = typer.Option(1200, help="Step 2: optimizer steps."),
     train_batch: int = typer.Option(256, help="Step 2: context positions per step (x draft_len predictions)."),
     lr: float = typer.Option(1e-3, help="Step 2: peak learning rate (warmup + cosine)."),
     exit_dim: int = typer.Option(576, help="Drafter width E (input_proj 2H -> E)."),
@@ -164,6 +164,7 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
     for w in widths:
         for length in lengths:
             per_prompt, hist, steps, decided, t0 = [], {}, 0, 0, time.perf_counter()
+            draft_s = verify_s = 0.0
             for p in ids:
                 st = Stats()
                 for _ in generate_tokens(runner.target.model, p, drafter=runner.drafter, beam_width=w,
@@ -173,6 +174,7 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
                     per_prompt.append(st.tokens_per_step)
                     steps += st.steps
                     decided += st.tokens_per_step * st.steps
+                    draft_s, verify_s = draft_s + st.draft_s, verify_s + st.verify_s
                 for k, v in st.accepted_hist.items():
                     hist[k] = hist.get(k, 0) + v
             total = sum(hist.values())
@@ -180,7 +182,10 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
             pos_acc = [round(sum(v for n, v in hist.items() if n >= k) / max(total, 1), 4) for k in range(1, length)]
             rec = {"W": w, "L": length, "tokens_per_step": round(sum(per_prompt) / max(len(per_prompt), 1), 4),
                    "tokens_per_step_pooled": round(decided / max(steps, 1), 4), "steps": steps,
-                   "accept_rate_by_position": pos_acc, "accepted_hist": {str(k): hist[k] for k in sorted(hist)},
+                   "accept_rate_by_position": pos_acc,
+                   "draft_ms_per_step": round(1000 * draft_s / max(steps, 1), 1),
+                   "verify_ms_per_step": round(1000 * verify_s / max(steps, 1), 1),
+                   "accepted_hist": {str(k): hist[k] for k in sorted(hist)},
                    "seconds": round(time.perf_counter() - t0, 1)}
             results.append(rec)
             if progress:
