@@ -102,3 +102,14 @@ def test_train_help_explains_steps():
     assert res.exit_code == 0
     assert "generate" in res.output and "save" in res.output
 
+
+
+def test_shipped_drafter_loads(target):
+    from mlx_redrafter.api import resolve_drafter, shipped_drafter_path
+
+    path = shipped_drafter_path(target.name)
+    assert path is not None and (path / "MODEL_CARD.md").exists()
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 25 * 2**20
+    drafter, name = resolve_drafter("default", target)
+    assert drafter is not None and name == f"shipped:{target.name}"
+    assert drafter.lm_head[-1].weight.dtype == target.model.dtype
