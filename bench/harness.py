@@ -8,7 +8,6 @@ the AR decode tokens/s on the same prompt and dtype (prefill excluded, as in App
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.prompts import read_prompts as read_prompt_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench.jsonl"
@@ -72,26 +72,10 @@ def default_prompts_file() -> Path:
 def read_prompts(path: Path | None, num: int | None) -> list[Prompt]:
     """First turns of MT-bench-style JSONL ({"turns": [...]}) or {"prompt": ...} lines; `num` spread evenly."""
     path = path or default_prompts_file()
-    if not path.exists():
-        raise UserError(f"prompts file {path} does not exist")
-    prompts: list[Prompt] = []
-    with path.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{i} is not valid JSON") from None
-            text = obj.get("prompt") if isinstance(obj, dict) else None
-            if text is None and isinstance(obj, dict) and obj.get("turns"):
-                text = obj["turns"][0]
-            if not isinstance(text, str) or not text.strip():
-                raise UserError(f"{path}:{i} has no \"prompt\" string or \"turns\" list")
-            pid = obj.get("question_id", obj.get("id", i))
-            prompts.append(Prompt(id=str(pid), text=text, category=str(obj.get("category", ""))))
-    if not prompts:
-        raise UserError(f"prompts file {path} has no prompts")
+    prompts = [
+        Prompt(id=str(r.get("question_id", r.get("id", i))), text=r["prompt"], category=str(r.get("category", "")))
+        for i, r in enumerate(read_prompt_file(path), 1)
+    ]
     if num is not None:
         if num < 1:
             raise UserError(f"--num-prompts must be >= 1 (got {num})")

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from .errors import UserError
+from .prompts import read_prompts
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact ReDrafter speculative decoding in pure MLX.")
@@ -54,7 +55,7 @@ def generate(
         dec = tuning.resolve(model, drafter, beam_width, beam_length, dtype, no_draft)
         if not dec.no_draft:
             api.check_beam(dec.beam_width, dec.beam_length)
-        prompts = [prompt] if prompt is not None else _read_prompts(prompts_file)
+        prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
         runner = api.load(model, None if dec.no_draft else drafter, dec.dtype)
         for p in prompts:
             kw = dict(max_tokens=max_tokens, beam_width=dec.beam_width or 4, beam_length=dec.beam_length or 5,
@@ -78,26 +79,6 @@ def generate(
                 )
     except UserError as e:
         _fail(str(e))
-
-
-def _read_prompts(path: Path) -> list[str]:
-    if not path.exists():
-        raise UserError(f"prompts file {path} does not exist")
-    prompts = []
-    with path.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{i} is not valid JSON (expected {{\"prompt\": ...}} per line)") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise UserError(f"{path}:{i} has no \"prompt\" string")
-            prompts.append(obj["prompt"])
-    if not prompts:
-        raise UserError(f"prompts file {path} has no prompts")
-    return prompts
 
 
 @app.command()

@@ -31,6 +31,7 @@ from .cache import KVCache
 from .errors import UserError
 from .loader import Target
 from .model import Model
+from .prompts import read_prompts  # noqa: F401  (re-exported: distill's prompt reader)
 
 DEFAULT_CACHE = Path(".cache/distill")
 # Share of each prompt source kept for the default chat-like mix (the pool is 36% math, 22% code).
@@ -38,28 +39,6 @@ SOURCE_WEIGHTS = {
     "dolly15k_partial": 1.0, "oasst": 1.0, "gpteacher_roleplay": 1.0, "self_instruct_seed": 1.0,
     "gsm8k_train": 0.08, "gpteacher_codegen": 0.2,
 }
-
-
-def read_prompts(path: str | Path) -> list[dict]:
-    """Read a JSONL prompts file ({"prompt": str, "source"?: str} per line); one-line UserError if bad."""
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"prompts file {p} does not exist")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{p}:{i} is not valid JSON (expected {{\"prompt\": ...}} per line)") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-                raise UserError(f"{p}:{i} has no non-empty \"prompt\" string")
-            rows.append(obj)
-    if not rows:
-        raise UserError(f"prompts file {p} has no prompts")
-    return rows
 
 
 def select_prompts(rows: list[dict], n: int | None = None, seed: int = 0,
