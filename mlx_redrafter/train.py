@@ -52,6 +52,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     seed: int = 0
     init_from_target: bool = True  # head = target's (tied) unembedding rows, input_proj = [I 0]
+    input_dropout: float = 0.0  # training-only dropout on h and the token embeddings (fights memorisation)
 
 
 @dataclass
@@ -271,11 +272,15 @@ def train_drafter(
         return emb_table(x).astype(mx.float32)
 
     loss_and_grad = nn.value_and_grad(drafter, loss_fn)
-    state = [drafter.state, opt.state]
+    state = [drafter.state, opt.state, mx.random.state]
+    keep = 1.0 - cfg.input_dropout
+
+    def dropout(x: mx.array) -> mx.array:
+        return x * mx.random.bernoulli(keep, x.shape) / keep if cfg.input_dropout > 0 else x
 
     @partial(mx.compile, inputs=state, outputs=state)
     def step_fn(h, x_in, tgt, w):
-        loss, grads = loss_and_grad(drafter, h, embed(x_in), tgt, w)
+        loss, grads = loss_and_grad(drafter, dropout(h), dropout(embed(x_in)), tgt, w)
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(drafter, grads)
         return loss, norm

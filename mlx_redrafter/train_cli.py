@@ -47,6 +47,8 @@ def train(
     steps: int = typer.Option(1200, help="Step 2: optimizer steps."),
     train_batch: int = typer.Option(256, help="Step 2: context positions per step (x draft_len predictions)."),
     lr: float = typer.Option(1e-3, help="Step 2: peak learning rate (warmup + cosine)."),
+    dropout: float = typer.Option(0.0, help="Step 2: training-only dropout on the drafter's inputs."),
+    weight_decay: float = typer.Option(0.01, help="Step 2: AdamW weight decay."),
     exit_dim: int = typer.Option(576, help="Drafter width E (input_proj 2H -> E)."),
     layers: int = typer.Option(2, help="Drafter ResBlocks."),
     draft_vocab: int = typer.Option(8192, help="Head size K: the K most frequent tokens (0 = full vocabulary)."),
@@ -84,7 +86,7 @@ def train(
         gen_s = time.perf_counter() - t0
         typer.echo(f"step 2/3: training ({steps} steps) -> {run_dir}", err=True)
         cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, steps=steps,
-                          batch_size=train_batch, lr=lr)
+                          batch_size=train_batch, lr=lr, input_dropout=dropout, weight_decay=weight_decay)
         drafter, summary = train_drafter(target, shards, run_dir, cfg, resume=resume,
                                          log=lambda m: typer.echo(m, err=True))
         summary.update(generation_s=round(gen_s, 1), shards=len(shards), total_s=round(time.perf_counter() - t_all))
