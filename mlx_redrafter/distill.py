@@ -69,17 +69,6 @@ class Shard:
         return int(self.offsets[-1] - self.offsets[0] - self.prompt_len.sum())
 
 
-def _forward_hidden(model: Model, tokens: mx.array, cache: KVCache, positions: mx.array,
-                    mask: mx.array) -> tuple[mx.array, mx.array]:
-    """Like Model.__call__, but returns the last position's logits and the hidden states of all positions
-    (full-sequence logits for a padded prefill batch would need GBs)."""
-    x = model.embed(tokens)
-    for i, layer in enumerate(model.model.layers):
-        x = layer(x, positions, mask, cache, i)
-    hidden = model.model.norm(x)
-    return model.logits(hidden[:, -1]), hidden
-
-
 def generate_batch(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                    compact_below: float = 0.75) -> list[tuple[list[int], np.ndarray]]:
     """Greedy answers for a batch of prompts. Returns per prompt (prompt + response ids, hidden (len-1, H) f16).
@@ -104,10 +93,10 @@ def generate_batch(model: Model, prompts: list[list[int]], max_new_tokens: int, 
     causal = cols[None, :] <= cols[:, None]  # (q, k)
     mask = (causal[None] & real_key[:, None, :]) | np.eye(Np, dtype=bool)[None]
     cache = KVCache(len(model.model.layers), Np + max_new_tokens)
-    logits, hidden = _forward_hidden(model, mx.array(tok), cache, mx.array(positions, dtype=mx.int32),
-                                     mx.array(mask[:, None]))
+    logits, hidden = model(mx.array(tok), cache, mx.array(positions, dtype=mx.int32), mx.array(mask[:, None]),
+                           last_only=True)
     cache.advance(Np)
-    nxt = mx.argmax(logits, axis=-1)
+    nxt = mx.argmax(logits[:, -1], axis=-1)
     hid16 = hidden.astype(mx.float16)
     mx.eval(nxt, hid16)
     hid_np = np.array(hid16)
@@ -137,9 +126,9 @@ def generate_batch(model: Model, prompts: list[list[int]], max_new_tokens: int, 
         S = cache.offset + 1
         pos = (mx.array([len(seqs[r]) - 1 for r in rows]))[:, None]
         m = (mx.arange(S)[None, :] >= pad_mx)[:, None, None, :]
-        logits, hidden = _forward_hidden(model, nxt[:, None].astype(mx.int32), cache, pos, m)
+        logits, hidden = model(nxt[:, None].astype(mx.int32), cache, pos, m)
         cache.advance(1)
-        nxt = mx.argmax(logits, axis=-1)
+        nxt = mx.argmax(logits[:, -1], axis=-1)
         h = hidden[:, 0].astype(mx.float16)
         mx.eval(nxt, h, *cache.state())
         h_np = np.array(h)

@@ -201,6 +201,7 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra_files: dict[str, s
                             metadata={"format": "mlx"})
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        tmp.chmod(0o755)  # mkdtemp creates 0700
         if out.exists():
             backup = out.with_name(f".{out.name}.old")
             shutil.rmtree(backup, ignore_errors=True)

@@ -179,7 +179,7 @@ class Model(nn.Module):
         cache: KVCache,
         positions: mx.array | None = None,  # (B, N) int; default cache.offset + arange(N)
         mask: mx.array | None = None,  # (B|1, 1, N, cache.offset + N) bool; default causal
-        last_only: bool = False,
+        last_only: bool = False,  # logits of the last position only (hidden states are always all)
     ) -> tuple[mx.array, mx.array]:
         B, N = tokens.shape
         if positions is None:
@@ -189,10 +189,8 @@ class Model(nn.Module):
         x = self.embed(tokens)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, mask, cache, i)
-        if last_only:
-            x = x[:, -1:]
-        hidden = self.model.norm(x)  # (B, N', H) post-norm: what the drafter consumes
-        return self.logits(hidden), hidden
+        hidden = self.model.norm(x)  # (B, N, H) post-norm: what the drafter consumes
+        return self.logits(hidden[:, -1:] if last_only else hidden), hidden
 
 
 def causal_mask(n: int, offset: int) -> mx.array:
