@@ -13,6 +13,7 @@ from .drafter import Drafter, check_compatible, load_drafter, random_drafter
 from .errors import UserError
 from .loader import DEFAULT_MODEL, Target, load_target
 from .tokenizer import StreamingDetokenizer
+from .tuning import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH
 
 DEFAULT_DRAFTERS_DIR = Path(__file__).parent / "drafters"
 
@@ -107,14 +108,15 @@ def stream_generate(
     prompt: str | list[int],
     *,
     max_tokens: int = 256,
-    beam_width: int = 4,
-    beam_length: int = 5,
+    beam_width: int = DEFAULT_BEAM_WIDTH,
+    beam_length: int = DEFAULT_BEAM_LENGTH,
     chat: bool = True,
     no_draft: bool = False,
     stats: Stats | None = None,
 ) -> Iterator[tuple[str, list[int]]]:
     """Yield (text piece, new token ids) as tokens are accepted; fills `stats` if given."""
-    check_beam(beam_width, beam_length)
+    if not no_draft:
+        check_beam(beam_width, beam_length)
     ids = encode_prompt(runner, prompt, chat)
     max_tokens = min(max_tokens, runner.target.model.args.max_position_embeddings - len(ids))
     detok = StreamingDetokenizer(runner.tokenizer)
@@ -140,8 +142,8 @@ def generate(runner: Runner, prompt: str | list[int], **kwargs) -> Result:
     settings = {
         "model": runner.target.name, "dtype": runner.target.dtype,
         "drafter": runner.drafter_name if drafting else "none",
-        "beam_width": kwargs.get("beam_width", 4) if drafting else 0,
-        "beam_length": kwargs.get("beam_length", 5) if drafting else 0,
+        "beam_width": kwargs.get("beam_width", DEFAULT_BEAM_WIDTH) if drafting else 0,
+        "beam_length": kwargs.get("beam_length", DEFAULT_BEAM_LENGTH) if drafting else 0,
         "device": str(mx.default_device()),
     }
     return Result(text="".join(pieces), tokens=tokens, stats=stats, settings=settings)

@@ -58,7 +58,7 @@ def generate(
         prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
         runner = api.load(model, None if dec.no_draft else drafter, dec.dtype)
         for p in prompts:
-            kw = dict(max_tokens=max_tokens, beam_width=dec.beam_width or 4, beam_length=dec.beam_length or 5,
+            kw = dict(max_tokens=max_tokens, beam_width=dec.beam_width, beam_length=dec.beam_length,
                       chat=chat, no_draft=dec.no_draft or runner.drafter is None)
             if as_json:
                 res = api.generate(runner, p, **kw)
@@ -100,7 +100,7 @@ def chat(
         if not dec.no_draft:
             api.check_beam(dec.beam_width, dec.beam_length)
         no_draft = dec.no_draft
-        beam_width, beam_length = dec.beam_width or 4, dec.beam_length or 5
+        beam_width, beam_length = dec.beam_width, dec.beam_length
         typer.echo("loading model...", err=True)
         runner = api.load(model, None if no_draft else drafter, dec.dtype)
         shape = f"W={beam_width} L={beam_length}" if runner.drafter is not None and not no_draft else "AR"

@@ -2,7 +2,7 @@
 
 `redrafter-mlx tune` measures a small W x L (x dtype) grid against AR and stores the winner here; when no cell
 beats AR it stores that too, and decoding then runs plain AR. Resolution order for generate/chat:
-explicit flags > tuned entry > built-in default (W=4, L=5 when a drafter is present).
+explicit flags > tuned entry > built-in default (DEFAULT_BEAM_WIDTH x DEFAULT_BEAM_LENGTH when a drafter is present).
 File: $REDRAFTER_TUNED_FILE, else $XDG_CACHE_HOME/redrafter-mlx/tuned.json (~/.cache/... by default).
 """
 
@@ -20,8 +20,9 @@ from typing import Any
 
 from .errors import UserError
 
-DEFAULT_BEAM_WIDTH = 4
-DEFAULT_BEAM_LENGTH = 5
+# Built-in default without a tuned entry: the best cell of bench/results/cpu (shipped drafter, fp32, MKL).
+DEFAULT_BEAM_WIDTH = 1
+DEFAULT_BEAM_LENGTH = 2
 FORMAT_VERSION = 1
 
 
@@ -158,7 +159,7 @@ class Decoding:
 
 def resolve(model: str | None, drafter: str | None, beam_width: int | None, beam_length: int | None,
             dtype: str, no_draft: bool) -> Decoding:
-    """Explicit flags > tuned entry for this machine/model/drafter > built-in 4 x 5."""
+    """Explicit flags > tuned entry for this machine/model/drafter > built-in default."""
     if no_draft:
         return Decoding(0, 0, dtype, True, "flags")
     if beam_width is not None or beam_length is not None:

@@ -27,15 +27,15 @@ def _generate(*flags: str) -> dict:
 
 
 def test_resolve_order_without_model(tuned_file):
-    """Flags beat the tuned entry, the tuned entry beats the built-in 4 x 5; --no-draft always wins."""
+    """Flags beat the tuned entry, the tuned entry beats the built-in default; --no-draft always wins."""
     assert tuning.resolve(None, "random:0", None, None, "auto", False).source == "default"
     d = tuning.resolve(None, "random:0", None, None, "auto", False)
-    assert (d.beam_width, d.beam_length, d.no_draft) == (4, 5, False)
+    assert (d.beam_width, d.beam_length, d.no_draft) == (tuning.DEFAULT_BEAM_WIDTH, tuning.DEFAULT_BEAM_LENGTH, False)
     tuning.store(None, "random:0", {"decision": "redrafter", "beam_width": 2, "beam_length": 3, "dtype": "float32"})
     d = tuning.resolve(None, "random:0", None, None, "auto", False)
     assert (d.beam_width, d.beam_length, d.dtype, d.source) == (2, 3, "float32", "tuned")
-    d = tuning.resolve(None, "random:0", 1, None, "auto", False)
-    assert (d.beam_width, d.beam_length, d.source) == (1, 5, "flags")
+    d = tuning.resolve(None, "random:0", 3, None, "auto", False)
+    assert (d.beam_width, d.beam_length, d.source) == (3, tuning.DEFAULT_BEAM_LENGTH, "flags")
     assert tuning.resolve(None, "random:0", None, None, "auto", True).no_draft
     assert tuning.resolve(None, "random:1", None, None, "auto", False).source == "default"  # other drafter
     assert tuning.resolve(None, "none", None, None, "auto", False).source == "default"
