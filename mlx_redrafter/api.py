@@ -1,21 +1,32 @@
-"""Python API: load a target (+ drafter) once, then `generate` / `stream_generate` text."""
+"""Python API: load a target (+ drafter) once, then `generate` / `stream_generate` text.
+
+    runner = api.load()                                 # embedded SmolLM2-135M + its shipped drafter
+    res = api.generate(runner, "Write a haiku.", api.DecodeOptions(max_tokens=64))
+    for piece, ids in api.stream_generate(runner, "Tell me a joke."): ...
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
 
-from .decode import Stats, generate_tokens
+from .cache import KVCache
 from .drafter import Drafter, check_compatible, load_drafter, random_drafter
 from .errors import UserError
+from .generate import Stats, generate_ar, generate_speculative
 from .loader import DEFAULT_MODEL, Target, load_target
+from .lookup import NgramIndex, SuffixIndex
+from .sampling import GREEDY, Sampling
+from .sources import Allocator, LookupSource, RnnSource, Slot
 from .tokenizer import StreamingDetokenizer
-from .tuning import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH
+from .defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
 
-DEFAULT_DRAFTERS_DIR = Path(__file__).parent / "drafters"
+SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
+DRAFT_MODES = ("auto", "rnn", "lookup", "rnn+lookup", "none")
+LOOKUP_INDEXES = {"ngram": NgramIndex, "suffix": SuffixIndex}
 
 
 @dataclass
@@ -32,6 +43,34 @@ class Runner:
 
 
 @dataclass
+class DecodeOptions:
+    """How to decode. `draft`: auto (rnn+lookup with a drafter, else lookup), rnn, lookup, rnn+lookup, none."""
+
+    draft: str = "auto"
+    beam_width: int = DEFAULT_BEAM_WIDTH  # W: candidates of the recurrent drafter
+    beam_length: int = DEFAULT_BEAM_LENGTH  # L: candidate length, first (already decided) token included
+    lookup_width: int = DEFAULT_LOOKUP_WIDTH  # candidates copied from the context
+    lookup: str = "ngram"  # lookup index: ngram (prompt lookup) or suffix (suffix automaton)
+    max_tokens: int = 256
+    sampling: Sampling = GREEDY
+    adaptive: bool = True  # back off a source that keeps failing (lookup on text it cannot copy)
+
+    def check(self) -> None:
+        if self.draft not in DRAFT_MODES:
+            raise UserError(f"--draft must be one of {', '.join(DRAFT_MODES)} (got {self.draft!r})")
+        if self.lookup not in LOOKUP_INDEXES:
+            raise UserError(f"--lookup must be one of {', '.join(LOOKUP_INDEXES)} (got {self.lookup!r})")
+        if self.draft != "none":
+            if self.beam_width < 1:
+                raise UserError(f"--beam-width must be >= 1 (got {self.beam_width})")
+            if self.beam_length < 2:
+                raise UserError(f"--beam-length must be >= 2: the first token plus at least one draft "
+                                f"(got {self.beam_length})")
+            if self.lookup_width < 1:
+                raise UserError(f"--lookup-width must be >= 1 (got {self.lookup_width})")
+
+
+@dataclass
 class Result:
     text: str
     tokens: list[int]
@@ -41,34 +80,52 @@ class Result:
 
 def shipped_drafter_path(model_name: str) -> Path | None:
     """The drafter shipped in the package for a model name, if any."""
-    p = DEFAULT_DRAFTERS_DIR / model_name
+    p = SHIPPED_DRAFTERS / model_name
     return p if (p / "config.json").exists() else None
 
 
-def resolve_drafter(spec: str | None, target: Target) -> tuple[Drafter | None, str]:
-    """Drafter for `spec`: 'default' (shipped for this model, if any), 'none', 'random:SEED[:EXIT_DIM]', or a path."""
-    args = target.model.args
-    act = target.model.dtype
+@dataclass
+class DrafterSpec:
+    """A parsed --drafter value: 'default', 'none', 'random:SEED[:EXIT_DIM]' or a path."""
+
+    kind: str  # default | none | random | path
+    seed: int = 0
+    exit_dim: int | None = None
+    path: str = ""
+
+
+def parse_drafter_spec(spec: str | None) -> DrafterSpec:
+    """The one parser of drafter specs (used by loading and by tuned-settings keys)."""
     if spec in (None, "", "none"):
-        return None, "none"
+        return DrafterSpec("none")
     if spec == "default":
+        return DrafterSpec("default")
+    if spec.startswith("random"):
+        parts = spec.split(":")
+        try:
+            return DrafterSpec("random", seed=int(parts[1]) if len(parts) > 1 else 0,
+                               exit_dim=int(parts[2]) if len(parts) > 2 else None)
+        except ValueError:
+            raise UserError(f"bad drafter spec {spec!r}: use random:SEED or random:SEED:EXIT_DIM (integers)") from None
+    return DrafterSpec("path", path=spec)
+
+
+def resolve_drafter(spec: str | None, target: Target) -> tuple[Drafter | None, str]:
+    """(drafter, name) for a spec; 'default' is the shipped drafter of this model, or none."""
+    d = parse_drafter_spec(spec)
+    args, act = target.model.args, target.model.dtype
+    if d.kind == "none":
+        return None, "none"
+    if d.kind == "random":
+        return random_drafter(args.hidden_size, args.vocab_size, d.seed, exit_dim=d.exit_dim, dtype=act), spec
+    if d.kind == "default":
         path = shipped_drafter_path(target.name)
         if path is None:
             return None, "none"
-        spec = str(path)
-        name = f"shipped:{target.name}"
-    elif spec.startswith("random"):
-        parts = spec.split(":")
-        try:
-            seed = int(parts[1]) if len(parts) > 1 else 0
-            exit_dim = int(parts[2]) if len(parts) > 2 else None
-        except ValueError:
-            raise UserError(f"bad drafter spec {spec!r}: use random:SEED or random:SEED:EXIT_DIM (integers)") from None
-        return random_drafter(args.hidden_size, args.vocab_size, seed, exit_dim=exit_dim, dtype=act), spec
+        drafter, name = load_drafter(path, dtype=act), f"shipped:{target.name}"
     else:
-        name = spec
-    drafter = load_drafter(spec, dtype=act)
-    check_compatible(drafter.args, args.hidden_size, args.vocab_size, spec)
+        drafter, name = load_drafter(d.path, dtype=act), d.path
+    check_compatible(drafter.args, args.hidden_size, args.vocab_size, name)
     return drafter, name
 
 
@@ -86,8 +143,8 @@ def encode_prompt(runner: Runner, prompt: str | list[int], chat: bool = True) ->
     else:
         if not prompt.strip():
             raise UserError("the prompt is empty: give some text with --prompt")
-        text = runner.tokenizer.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = runner.tokenizer.encode(text)
+        tok = runner.tokenizer
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     if not ids:
         raise UserError("the prompt is empty: give some text with --prompt")
     ctx = runner.target.model.args.max_position_embeddings
@@ -96,54 +153,84 @@ def encode_prompt(runner: Runner, prompt: str | list[int], chat: bool = True) ->
     return ids
 
 
-def check_beam(beam_width: int, beam_length: int) -> None:
-    if beam_width < 1:
-        raise UserError(f"--beam-width must be >= 1 (got {beam_width})")
-    if beam_length < 2:
-        raise UserError(f"--beam-length must be >= 2: the first token plus at least one draft (got {beam_length})")
+def draft_mode(runner: Runner, options: DecodeOptions) -> str:
+    """The drafting actually used: 'auto' resolved; 'rnn' without a drafter is an error."""
+    mode = options.draft
+    if mode == "auto":
+        return "rnn+lookup" if runner.drafter is not None else "lookup"
+    if "rnn" in mode and runner.drafter is None:
+        raise UserError(f"--draft {mode} needs a drafter, but {runner.target.name} has none: use --draft lookup "
+                        f"or pass --drafter DIR")
+    return mode
 
 
-def stream_generate(
-    runner: Runner,
-    prompt: str | list[int],
-    *,
-    max_tokens: int = 256,
-    beam_width: int = DEFAULT_BEAM_WIDTH,
-    beam_length: int = DEFAULT_BEAM_LENGTH,
-    chat: bool = True,
-    no_draft: bool = False,
-    stats: Stats | None = None,
-) -> Iterator[tuple[str, list[int]]]:
-    """Yield (text piece, new token ids) as tokens are accepted; fills `stats` if given."""
-    if not no_draft:
-        check_beam(beam_width, beam_length)
+def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
+    """The draft sources for these options (None: plain autoregressive decoding)."""
+    mode = draft_mode(runner, options)
+    if mode == "none":
+        return None
+    slots = []
+    if "rnn" in mode:
+        slots.append(Slot(RnnSource(runner.drafter, runner.target.model.embed), options.beam_width))
+    if "lookup" in mode:
+        slots.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup]), options.lookup_width))
+    return Allocator(slots, adaptive=options.adaptive)
+
+
+def stream_generate(runner: Runner, prompt: str | list[int], options: DecodeOptions | None = None, *,
+                    chat: bool = True, stats: Stats | None = None, cache: KVCache | None = None,
+                    history: list[int] = (), **overrides) -> Iterator[tuple[str, list[int]]]:
+    """Yield (text piece, new token ids) as tokens are accepted; fills `stats` if given.
+
+    To continue a conversation, pass the `cache` holding the `history` ids and only the new prompt ids.
+    Keyword overrides set fields of `options` (e.g. max_tokens=64, draft="lookup")."""
+    options = replace(options or DecodeOptions(), **overrides)
+    options.check()
     ids = encode_prompt(runner, prompt, chat)
-    max_tokens = min(max_tokens, runner.target.model.args.max_position_embeddings - len(ids))
+    model, eos = runner.target.model, runner.tokenizer.eos_ids
+    room = model.args.max_position_embeddings - len(history) - len(ids)
+    max_tokens = min(options.max_tokens, room)
+    alloc = make_allocator(runner, options)
+    if alloc is None:
+        steps = generate_ar(model, ids, max_tokens=max_tokens, eos_ids=eos, sampling=options.sampling, stats=stats,
+                            cache=cache)
+    else:
+        steps = generate_speculative(model, ids, alloc, length=options.beam_length, max_tokens=max_tokens,
+                                     eos_ids=eos, sampling=options.sampling, stats=stats, cache=cache,
+                                     history=list(history))
     detok = StreamingDetokenizer(runner.tokenizer)
-    for new in generate_tokens(
-        runner.target.model, ids, drafter=None if no_draft else runner.drafter,
-        beam_width=beam_width, beam_length=beam_length, max_tokens=max_tokens,
-        eos_ids=runner.tokenizer.eos_ids, stats=stats,
-    ):
+    for new in steps:
         yield detok.add(new), new
     tail = detok.flush()
     if tail:
         yield tail, []
 
 
-def generate(runner: Runner, prompt: str | list[int], **kwargs) -> Result:
+def settings(runner: Runner, options: DecodeOptions) -> dict:
+    """The settings a generation ran with (for --json output and benchmark records)."""
+    mode = draft_mode(runner, options)
+    return {
+        "model": runner.target.name, "dtype": runner.target.dtype, "draft": mode,
+        "drafter": runner.drafter_name if "rnn" in mode else "none",
+        "beam_width": options.beam_width if "rnn" in mode else 0,
+        "beam_length": options.beam_length if mode != "none" else 0,
+        "lookup_width": options.lookup_width if "lookup" in mode else 0,
+        "lookup": options.lookup if "lookup" in mode else "none",
+        **options.sampling.as_dict(), "device": str(mx.default_device()),
+    }
+
+
+def generate(runner: Runner, prompt: str | list[int], options: DecodeOptions | None = None, *, chat: bool = True,
+             **overrides) -> Result:
     """Generate a whole completion; returns text, token ids, statistics and the settings used."""
+    options = replace(options or DecodeOptions(), **overrides)
     stats = Stats()
     pieces, tokens = [], []
-    for piece, new in stream_generate(runner, prompt, stats=stats, **kwargs):
+    for piece, new in stream_generate(runner, prompt, options, chat=chat, stats=stats):
         pieces.append(piece)
         tokens.extend(new)
-    drafting = runner.drafter is not None and not kwargs.get("no_draft", False)
-    settings = {
-        "model": runner.target.name, "dtype": runner.target.dtype,
-        "drafter": runner.drafter_name if drafting else "none",
-        "beam_width": kwargs.get("beam_width", DEFAULT_BEAM_WIDTH) if drafting else 0,
-        "beam_length": kwargs.get("beam_length", DEFAULT_BEAM_LENGTH) if drafting else 0,
-        "device": str(mx.default_device()),
-    }
-    return Result(text="".join(pieces), tokens=tokens, stats=stats, settings=settings)
+    return Result(text="".join(pieces), tokens=tokens, stats=stats, settings=settings(runner, options))
+
+
+def options_dict(options: DecodeOptions) -> dict:
+    return {**asdict(options), "sampling": options.sampling.as_dict()}

@@ -14,6 +14,7 @@ import platform
 import sys
 
 _loaded: str | None = None
+_handle: ctypes.CDLL | None = None
 
 
 def _mkl_candidates() -> list[str]:
@@ -30,7 +31,7 @@ def _openblas_candidates() -> list[str]:
 
 def load_optimized_blas() -> str | None:
     """Preload an optimized BLAS on Linux before MLX starts; return the library loaded (or None)."""
-    global _loaded
+    global _loaded, _handle
     if _loaded is not None:
         return _loaded
     choice = os.environ.get("REDRAFTER_BLAS", "auto").lower()
@@ -48,12 +49,22 @@ def load_optimized_blas() -> str | None:
             paths = _openblas_candidates()
         for path in paths:
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                _handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
             _loaded = os.path.basename(path)
             return _loaded
     return None
+
+
+def set_threads(n: int) -> bool:
+    """Set the optimized BLAS's thread count at run time (MKL or OpenBLAS); False when there is none to set."""
+    for fn in ("MKL_Set_Num_Threads", "openblas_set_num_threads"):
+        f = getattr(_handle, fn, None) if _handle is not None else None
+        if f is not None:
+            f(ctypes.c_int(n))
+            return True
+    return False
 
 
 def blas_name() -> str:

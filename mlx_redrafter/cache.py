@@ -59,6 +59,12 @@ class KVCache:
             self.values[i][:, :, lo:hi] = self.values[i][:, :, src]
         self.offset += n
 
+    def select(self, rows: mx.array) -> None:
+        """Keep only these batch rows (in this order), e.g. to drop finished sequences from a batch."""
+        for i in range(self.num_layers):
+            if self.keys[i] is not None:
+                self.keys[i], self.values[i] = self.keys[i][rows], self.values[i][rows]
+
     def state(self) -> list[mx.array]:
         """All cache arrays (for mx.eval)."""
         return [a for a in self.keys + self.values if a is not None]

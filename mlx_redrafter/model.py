@@ -74,6 +74,25 @@ def rope_frequencies(args: ModelArgs) -> tuple[float | None, float, mx.array | N
     return args.rope_theta, 1.0, None
 
 
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+    """Softmax attention with grouped KV heads: q (B, h, N, D), k/v (B, h_kv, S, D), mask (B|1, 1, N, S) bool.
+
+    On a GPU MLX's fused kernel is used. MLX's CPU backend has no fused kernel (its fallback repeats the KV
+    heads and is ~1.5x slower), so there the query heads that share a KV head are folded into one matrix
+    product per KV head: the same arithmetic per head, in two BLAS calls instead of many small ones.
+    """
+    if mx.default_device() != mx.cpu:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    B, h, N, D = q.shape
+    h_kv = k.shape[1]
+    r = h // h_kv
+    scores = (q * scale).reshape(B, h_kv, r * N, D) @ k.swapaxes(-1, -2)  # (B, h_kv, r*N, S): rows (head, n)
+    if mask is not None:
+        scores = mx.where(mx.tile(mask, (1, 1, r, 1)) if r > 1 else mask, scores, -mx.inf)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ v).reshape(B, h, N, D)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -111,7 +130,7 @@ class Attention(nn.Module):
         k = self._rope(self.k_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim), positions)
         v = self.v_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         keys, values = cache.write(layer, k, v)  # (B, n_kv, S, D), S = cache.offset + N
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        out = attention(q, keys, values, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
 
 
@@ -157,6 +176,10 @@ class Model(nn.Module):
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def make_cache(self, capacity: int) -> KVCache:
+        """An empty KV cache for this model, pre-sized for `capacity` positions (it grows if needed)."""
+        return KVCache(self.args.num_hidden_layers, capacity)
 
     @property
     def dtype(self) -> mx.Dtype:

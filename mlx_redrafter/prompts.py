@@ -30,3 +30,25 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not rows:
         raise UserError(f"prompts file {p} has no prompts")
     return rows
+
+
+PACKAGED = Path(__file__).parent / "data"
+
+
+def packaged(name: str = "mt_bench.jsonl") -> Path:
+    """A prompts file shipped inside the package (mlx_redrafter/data/), e.g. the MT-bench questions."""
+    return PACKAGED / name
+
+
+def first_turns(path: str | Path | None = None, num: int | None = None, spread: bool = False) -> list[dict]:
+    """Rows of a prompts file (default: MT-bench) with their "prompt"; `num` of them, the first ones or,
+    with `spread`, evenly spread over the file (MT-bench is grouped by category)."""
+    rows = read_prompts(path or packaged())
+    if num is not None:
+        if num < 1:
+            raise UserError(f"the number of prompts must be >= 1 (got {num})")
+        if spread and num < len(rows):
+            rows = [rows[(k * len(rows)) // num] for k in range(num)]
+        else:
+            rows = rows[:num]
+    return rows

@@ -53,6 +53,10 @@ class TextTokenizer:
             bos_token=self.bos_token, eos_token=self.eos_token,
         )
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of messages rendered with the chat template, ready for the assistant's reply."""
+        return self.encode(self.chat_prompt(messages))
+
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> TextTokenizer:
         kind = meta.get("tokenizer.ggml.model")

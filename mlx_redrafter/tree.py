@@ -1,8 +1,10 @@
-"""Dynamic tree attention: deduplicate shared beam prefixes with tensor ops, pack, mask, unpack.
+"""Dynamic tree attention: deduplicate shared candidate prefixes with tensor ops, pack, mask, unpack.
 
-For beams (W, L) that all start with the same token, token (i, k) is kept iff no lower-index beam
-shares beams[i, :k+1]. Kept tokens are packed in (beam, depth) order, which is topological: every
-token's ancestors come before it. The `unpacker` (W, L) maps each beam slot to its packed index.
+Candidates (n, L) all start with the same token (the target's next token). A candidate shorter than L is padded
+with PAD after its end; PAD slots are never packed or verified. Token (i, k) is kept iff it is not PAD and no
+lower-index candidate shares cands[i, :k+1]. Kept tokens are packed in (candidate, depth) order, which is
+topological: every token's ancestors come before it. The `unpacker` (n, L) maps each candidate slot to its
+packed index (0 for PAD slots, which acceptance never reaches).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+PAD = -1  # candidate slot past the candidate's end
 
 
 def prefix_of(beams: mx.array) -> mx.array:
@@ -25,27 +29,32 @@ class PackedTree:
     tokens: mx.array  # (P,) packed token ids
     depth: mx.array  # (P,) depth k of each packed token (RoPE position = context length + depth)
     mask: mx.array  # (P, P) bool: packed token a may attend to b (its ancestors and itself)
-    unpacker: mx.array  # (W, L) packed index of every beam slot
+    parent: mx.array  # (P,) packed index of each token's parent (-1 for the root, packed index 0)
+    unpacker: mx.array  # (n, L) packed index of every candidate slot
     size: int  # P
 
 
-def pack(beams: mx.array) -> PackedTree:
-    """Pack one sequence's beams (W, L). Evaluates (one host sync) to learn the packed size P."""
-    W, L = beams.shape
-    parent = prefix_of(beams)  # (W, L)
-    keep = (parent == mx.arange(W)[:, None]).reshape(-1)  # (W*L,)
+def pack(cands: mx.array) -> PackedTree:
+    """Pack one sequence's candidates (n, L). Evaluates (one host sync) to learn the packed size P."""
+    W, L = cands.shape
+    parent = prefix_of(cands)  # (W, L)
+    real = cands != PAD
+    keep = ((parent == mx.arange(W)[:, None]) & real).reshape(-1)  # (W*L,)
     packed_index = (mx.cumsum(keep.astype(mx.int32)) - 1).reshape(W, L)
     unpacker = mx.take_along_axis(packed_index, parent, axis=0)  # unpacker[i,k] = packed_index[parent[i,k], k]
+    unpacker = mx.where(real, unpacker, 0)
     n_kept = keep.sum()
     flat = mx.arange(W * L)
-    mx.eval(beams, unpacker, n_kept, keep)
+    mx.eval(cands, unpacker, n_kept, keep)
     P = n_kept.item()
-    order = mx.argsort(mx.where(keep, flat, W * L + flat))[:P]  # flat slots of the kept tokens, in order
+    order = mx.argsort(mx.where(keep, flat, W * L + flat))[:P].astype(mx.int32)  # flat slots of kept tokens, in order
     depth = order % L
-    ancestors = unpacker[order // L]  # (P, L): packed index of each depth along the token's beam
+    ancestors = unpacker[order // L]  # (P, L): packed index of each depth along the token's candidate
     valid = mx.arange(L)[None, :] <= depth[:, None]
     mask = ((ancestors[:, :, None] == mx.arange(P)[None, None, :]) & valid[:, :, None]).any(axis=1)
-    return PackedTree(tokens=beams.reshape(-1)[order], depth=depth, mask=mask, unpacker=unpacker, size=P)
+    parent = mx.where(depth > 0, mx.take_along_axis(ancestors, mx.maximum(depth - 1, 0)[:, None], axis=1)[:, 0], -1)
+    return PackedTree(tokens=cands.reshape(-1)[order], depth=depth, mask=mask, parent=parent, unpacker=unpacker,
+                      size=P)
 
 
 def verify_mask(tree_mask: mx.array, context_len: int) -> mx.array:

@@ -1,9 +1,8 @@
-"""Tuned decoding settings per machine + model + drafter: where they live and how the CLI resolves them.
+"""Tuned decoding settings per machine + model + drafter: where they live and how generate/chat resolve them.
 
-`redrafter-mlx tune` measures a small W x L (x dtype) grid against AR and stores the winner here; when no cell
-beats AR it stores that too, and decoding then runs plain AR. Resolution order for generate/chat:
-explicit flags > tuned entry > built-in default (DEFAULT_BEAM_WIDTH x DEFAULT_BEAM_LENGTH when a drafter is present).
-File: $REDRAFTER_TUNED_FILE, else $XDG_CACHE_HOME/redrafter-mlx/tuned.json (~/.cache/... by default).
+`redrafter-mlx tune` measures a small grid against AR and stores the winner here; when nothing beats AR it
+stores that too, and decoding then runs plain AR. Resolution order: explicit flags > tuned entry > built-in
+defaults (defaults.py). File: $REDRAFTER_TUNED_FILE, else $XDG_CACHE_HOME/redrafter-mlx/tuned.json.
 """
 
 from __future__ import annotations
@@ -11,19 +10,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .api import DecodeOptions, parse_drafter_spec, shipped_drafter_path
 from .errors import UserError
+from .files import write_atomic
 
-# Built-in default without a tuned entry: the best cell of bench/results/cpu (shipped drafter, fp32, MKL).
-DEFAULT_BEAM_WIDTH = 1
-DEFAULT_BEAM_LENGTH = 2
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def tuned_file() -> Path:
@@ -64,24 +61,18 @@ def model_key(model: str | None) -> str:
     return name if name == DEFAULT_MODEL else str(Path(path).resolve())
 
 
-def drafter_key(drafter: str | None, model: str | None) -> str | None:
-    """Stable name of a drafter spec ('default' resolves to the shipped one); None when there is no drafter."""
-    from .api import shipped_drafter_path
+def drafter_key(drafter: str | None, model: str | None) -> str:
+    """Stable name of a drafter spec ('default' resolves to the shipped one, with a content hash)."""
     from .loader import resolve_model
 
-    if drafter in (None, "", "none"):
-        return None
-    if drafter.startswith("random"):
-        return drafter
-    if drafter == "default":
+    d = parse_drafter_spec(drafter)
+    if d.kind == "default":
         path = shipped_drafter_path(resolve_model(model)[0])
-        if path is None:
-            return None
-        return f"shipped:{path.name}@{_signature(path)}"
-    p = Path(drafter).expanduser()
-    if not p.exists():
-        return drafter  # load_drafter reports the missing path
-    return f"{p.resolve()}@{_signature(p)}"
+        return "none" if path is None else f"shipped:{path.name}@{_signature(path)}"
+    if d.kind == "path":
+        p = Path(d.path).expanduser()
+        return f"{p.resolve()}@{_signature(p)}" if p.exists() else d.path  # loading reports a missing path
+    return drafter or "none"
 
 
 def entry_key(machine: str, model: str, drafter: str) -> str:
@@ -100,6 +91,8 @@ def read_all(path: Path | None = None) -> dict[str, Any]:
                         f"`redrafter-mlx tune`") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries", {}), dict):
         raise UserError(f"tuned settings file {path} has an unexpected layout: delete it or re-run tune")
+    if data.get("version") != FORMAT_VERSION:
+        return {}  # written by an older version: ignored (re-run tune)
     return data.get("entries", {})
 
 
@@ -107,69 +100,47 @@ def lookup(model: str | None, drafter: str | None) -> dict[str, Any] | None:
     """The tuned entry for this machine + model + drafter spec, or None."""
     from .machine import fingerprint
 
-    dkey = drafter_key(drafter, model)
-    if dkey is None:
-        return None
-    return read_all().get(entry_key(fingerprint(), model_key(model), dkey))
+    return read_all().get(entry_key(fingerprint(), model_key(model), drafter_key(drafter, model)))
 
 
-def store(model: str | None, drafter: str, entry: dict[str, Any]) -> Path:
+def store(model: str | None, drafter: str | None, entry: dict[str, Any]) -> Path:
     """Write (atomically) the entry for this machine + model + drafter spec; returns the file path."""
     from .machine import fingerprint, machine_info
 
     dkey = drafter_key(drafter, model)
-    if dkey is None:
-        raise UserError("there is no drafter to store tuned settings for")
     path = tuned_file()
     entries = read_all(path)
+    info = machine_info()
     entries[entry_key(fingerprint(), model_key(model), dkey)] = {
-        **entry, "model": model_key(model), "drafter": dkey, "machine": machine_info()["cpu"],
-        "backend": machine_info()["backend"], "mlx": machine_info()["mlx"],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **entry, "model": model_key(model), "drafter": dkey, "machine": info["cpu"], "backend": info["backend"],
+        "mlx": info["mlx"], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    write_json_atomic(path, {"version": FORMAT_VERSION, "entries": entries})
+    write_atomic(path, json.dumps({"version": FORMAT_VERSION, "entries": entries}, indent=2, sort_keys=True) + "\n")
     return path
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON via a temp file in the same directory and rename (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @dataclass
-class Decoding:
-    """Resolved decoding settings and where they came from ('flags', 'tuned' or 'default')."""
+class Resolved:
+    """Decoding options and dtype, and where they came from ('flags', 'tuned' or 'default')."""
 
-    beam_width: int
-    beam_length: int
+    options: DecodeOptions
     dtype: str
-    no_draft: bool
     source: str
 
 
-def resolve(model: str | None, drafter: str | None, beam_width: int | None, beam_length: int | None,
-            dtype: str, no_draft: bool) -> Decoding:
-    """Explicit flags > tuned entry for this machine/model/drafter > built-in default."""
-    if no_draft:
-        return Decoding(0, 0, dtype, True, "flags")
-    if beam_width is not None or beam_length is not None:
-        return Decoding(beam_width if beam_width is not None else DEFAULT_BEAM_WIDTH,
-                        beam_length if beam_length is not None else DEFAULT_BEAM_LENGTH, dtype, False, "flags")
+TUNED_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width")
+
+
+def resolve(model: str | None, drafter: str | None, flags: dict[str, Any], dtype: str,
+            base: DecodeOptions | None = None) -> Resolved:
+    """Explicit flags (non-None values in `flags`) > tuned entry for this machine/model/drafter > defaults."""
+    base = base or DecodeOptions()
+    given = {k: v for k, v in flags.items() if v is not None}
+    if any(k in given for k in TUNED_FIELDS):
+        return Resolved(replace(base, **given), dtype, "flags")
     entry = lookup(model, drafter)
-    if entry is not None:
-        tuned_dtype = entry.get("dtype") or dtype
-        use_dtype = tuned_dtype if dtype == "auto" else dtype
-        if entry.get("decision") == "ar":
-            return Decoding(0, 0, use_dtype, True, "tuned")
-        return Decoding(int(entry["beam_width"]), int(entry["beam_length"]), use_dtype, False, "tuned")
-    return Decoding(DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH, dtype, False, "default")
+    if entry is None:
+        return Resolved(replace(base, **given), dtype, "default")
+    tuned = {k: entry[k] for k in TUNED_FIELDS if k in entry}
+    use_dtype = entry.get("dtype") or dtype if dtype == "auto" else dtype
+    return Resolved(replace(base, **tuned, **given), use_dtype, "tuned")

@@ -3,18 +3,19 @@
 import mlx.core as mx
 
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.decode import Stats, generate_tokens
 from mlx_redrafter.drafter import random_drafter
+from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
+from mlx_redrafter.sources import Allocator, RnnSource, Slot
 
 
 def test_committed_cache_equals_ar_cache(target, chat_ids):
     model, prompt = target.model, chat_ids[2]
     drafter = random_drafter(576, 49152, seed=1)
-    rd_cache, rd_stats = KVCache(30, 512), Stats()
-    rd = sum(generate_tokens(model, prompt, drafter=drafter, beam_width=3, beam_length=4, max_tokens=20,
-                             stats=rd_stats, cache=rd_cache), [])
-    ar_cache = KVCache(30, 512)
-    ar = sum(generate_tokens(model, prompt, max_tokens=20, cache=ar_cache), [])
+    rd_cache, rd_stats = model.make_cache(512), Stats()
+    alloc = Allocator([Slot(RnnSource(drafter, model.embed), 3)])
+    rd = sum(generate_speculative(model, prompt, alloc, length=4, max_tokens=20, stats=rd_stats, cache=rd_cache), [])
+    ar_cache = model.make_cache(512)
+    ar = sum(generate_ar(model, prompt, max_tokens=20, cache=ar_cache), [])
     assert rd == ar and rd_stats.steps > 0
     # AR has fed every token but the last; ReDrafter has committed every token but its next g0.
     assert rd_cache.offset == ar_cache.offset == len(prompt) + 19
@@ -22,11 +23,11 @@ def test_committed_cache_equals_ar_cache(target, chat_ids):
     # from the AR cache by ~1e-5 (K/V reach |20|; matrix-vector vs matrix-matrix summation order). The
     # ReDrafter cache must be within 1e-5 or within twice that floor; a wrong commit is off by O(1).
     seq = prompt + ar[:-1]
-    prefill_cache = KVCache(30, 512)
+    prefill_cache = model.make_cache(512)
     model(mx.array([seq]), prefill_cache)
     prefill_cache.advance(len(seq))
     worst = floor = 0.0
-    for layer in range(30):
+    for layer in range(model.args.num_hidden_layers):
         for got, ref, other in zip(rd_cache.committed(layer), ar_cache.committed(layer),
                                    prefill_cache.committed(layer)):
             assert got.dtype == ref.dtype == mx.float32
@@ -45,3 +46,13 @@ def test_cache_commit_moves_the_accepted_path():
     keys, _ = cache.committed(0)
     assert cache.offset == 4
     assert keys[0, 0].tolist() == [[0, 1], [2, 3], [100, 101], [104, 105]]
+
+
+def test_select_keeps_batch_rows():
+    cache = KVCache(1, 8)
+    k = mx.arange(3 * 2, dtype=mx.float32).reshape(3, 1, 1, 2)
+    cache.write(0, k, k)
+    cache.advance(1)
+    cache.select(mx.array([2, 0]))
+    keys, values = cache.committed(0)
+    assert keys[:, 0, 0].tolist() == [[4, 5], [0, 1]] and values.shape == (2, 1, 1, 2)

@@ -10,7 +10,7 @@ from mlx_redrafter.drafter import random_drafter, save_drafter
 
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_redrafter.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mlx_redrafter.cmd.main", *args], capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -77,7 +77,7 @@ def test_prompt_longer_than_context():
 def test_prompts_file_writes_one_json_per_line(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "Say hi."}) + "\n" + json.dumps({"prompt": "Count to 3."}) + "\n")
-    proc = run_cli("generate", "--prompts-file", str(f), "--json", "--drafter", "random:0:64",
+    proc = run_cli("generate", "--prompts-file", str(f), "--json", "--drafter", "random:0:64", "--draft", "rnn",
                    "-w", "2", "-l", "3", "-n", "12")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -89,4 +89,4 @@ def test_prompts_file_writes_one_json_per_line(tmp_path):
             assert key in row
         assert row["generated_tokens"] == len(row["tokens"]) <= 12
         assert row["beam_width"] == 2 and row["beam_length"] == 3 and row["dtype"] == "float32"
-        assert row["candidate_tokens"] == 6 * row["steps"]
+        assert row["steps"] <= row["candidate_tokens"] <= 6 * row["steps"]  # adaptive: a failing source sits out

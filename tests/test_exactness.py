@@ -1,18 +1,30 @@
-"""The central invariant: greedy ReDrafter output is token-identical to greedy autoregressive decoding (fp32).
+"""The central invariant: greedy speculative output is token-identical to greedy autoregressive decoding (fp32),
+for every draft source and their combination, whatever they propose.
 
-Acceptance must not matter for correctness, so a random drafter is used; the shipped drafter is checked in
-test_shipped_drafter_exactness (real acceptance, eos inside accepted runs).
+Acceptance must not matter for correctness, so random drafters are used; the shipped drafter is checked too
+(real acceptance, eos inside accepted runs). The long randomised sweep is `make fuzz` (test_fuzz.py).
 """
 
-import mlx.core as mx
 import pytest
+from exactness import ar_tokens, divergence, speculative_tokens
 
-from mlx_redrafter.cache import KVCache
-from mlx_redrafter.decode import Stats, generate_tokens
 from mlx_redrafter.drafter import random_drafter
+from mlx_redrafter.generate import Stats
+from mlx_redrafter.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 
-SHAPES = [(1, 2), (1, 5), (3, 4), (4, 5), (8, 6)]
-N_PROMPTS, MAX_TOKENS = 10, 64
+N_PROMPTS, MAX_TOKENS = 3, 32
+SHORT_PROMPTS = [
+    "What is the capital of France? Answer in one short sentence.",
+    "What is 2 + 2? Reply with just the number.",
+    "Say hello.",
+]
+# Text the model will not copy verbatim: lookup proposes long wrong continuations.
+COPY_TRAPS = [
+    "Here is a list: red green blue red green blue red green blue red green. Now write a different list of "
+    "three animals, one per line.",
+    "Repeat the word 'cat' ten times, then explain what a cat is: cat cat cat cat cat",
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,69 +33,92 @@ def drafter():
 
 
 @pytest.fixture(scope="module")
-def ar_outputs(target, chat_ids):
-    return [
-        sum(generate_tokens(target.model, ids, max_tokens=MAX_TOKENS, eos_ids=target.tokenizer.eos_ids), [])
-        for ids in chat_ids[:N_PROMPTS]
-    ]
-
-
-def assert_same_or_tie(model, prompt, ar, rd):
-    """Equal ids; a difference is only tolerated if the AR path sits on a numerical tie there (DESIGN §4)."""
-    if rd == ar:
-        return
-    i = next((j for j, (a, b) in enumerate(zip(ar, rd)) if a != b), min(len(ar), len(rd)))
-    cache = KVCache(30, len(prompt) + len(ar) + 1)
-    logits, _ = model(mx.array([prompt + ar[:i]]), cache, last_only=True)
-    top2 = mx.sort(logits[0, -1])[-2:]
-    gap = (top2[1] - top2[0]).item()
-    assert gap < 1e-4, f"ReDrafter diverged from AR at token {i} with top-2 logit gap {gap:.2e} (not a tie)"
-
-
-@pytest.mark.parametrize("width,length", SHAPES)
-def test_redrafter_equals_autoregressive(target, chat_ids, ar_outputs, drafter, width, length):
-    for ids, ar in zip(chat_ids[:N_PROMPTS], ar_outputs):
-        stats = Stats()
-        rd = sum(generate_tokens(target.model, ids, drafter=drafter, beam_width=width, beam_length=length,
-                                 max_tokens=MAX_TOKENS, eos_ids=target.tokenizer.eos_ids, stats=stats), [])
-        assert_same_or_tie(target.model, ids, ar, rd)
-        assert stats.candidate_tokens == stats.steps * width * length
-        assert stats.steps <= stats.verified_tokens <= stats.candidate_tokens
-
-
-SHORT_PROMPTS = [
-    "What is the capital of France? Answer in one short sentence.",
-    "What is 2 + 2? Reply with just the number.",
-    "Say hello.",
-    "Name one primary color. One word only.",
-]
+def prompts(target, chat_ids):
+    tok = target.tokenizer
+    mt = [chat_ids[(k * len(chat_ids)) // N_PROMPTS] for k in range(N_PROMPTS)]  # spread over the categories
+    return mt + [tok.encode_chat([{"role": "user", "content": p}]) for p in COPY_TRAPS]
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    from mlx_redrafter.api import shipped_drafter_path
-    from mlx_redrafter.drafter import load_drafter
+def ar_outputs(target, prompts):
+    return [ar_tokens(target.model, p, MAX_TOKENS, target.tokenizer.eos_ids) for p in prompts]
 
-    path = shipped_drafter_path("smollm2-135m")
-    assert path is not None, "the trained drafter for the default model is missing from mlx_redrafter/drafters/"
-    return load_drafter(path)
+
+def check(target, prompts, ar_outputs, make_allocator, length):
+    for p, ar in zip(prompts, ar_outputs):
+        stats = Stats()
+        got = speculative_tokens(target.model, p, make_allocator(), length, MAX_TOKENS, target.tokenizer.eos_ids,
+                                 stats)
+        problem = divergence(target.model, p, ar, got)
+        assert problem is None, problem
+        assert stats.steps <= stats.verified_tokens <= stats.candidate_tokens
+    return stats
+
+
+@pytest.mark.parametrize("width,length", [(1, 2), (1, 5), (3, 4), (4, 5), (8, 6)])
+def test_rnn_equals_autoregressive(target, prompts, ar_outputs, drafter, width, length):
+    stats = check(target, prompts[:N_PROMPTS], ar_outputs[:N_PROMPTS],
+                  lambda: Allocator([Slot(RnnSource(drafter, target.model.embed), width)]), length)
+    assert stats.candidate_tokens == stats.steps * width * length
+
+
+@pytest.mark.parametrize("index,width,length", [(NgramIndex, 1, 5), (NgramIndex, 3, 4), (SuffixIndex, 2, 6)])
+def test_lookup_equals_autoregressive(target, prompts, ar_outputs, index, width, length):
+    check(target, prompts, ar_outputs, lambda: Allocator([Slot(LookupSource(index), width)]), length)
+
+
+def test_rnn_plus_lookup_equals_autoregressive(target, prompts, ar_outputs, drafter):
+    stats = check(target, prompts, ar_outputs,
+                  lambda: Allocator([Slot(RnnSource(drafter, target.model.embed), 2),
+                                     Slot(LookupSource(NgramIndex), 2)], adaptive=True), 4)
+    assert set(stats.source_proposed) == {"rnn", "lookup"}
+
+
+@pytest.fixture(scope="module")
+def shipped(target):
+    from mlx_redrafter.api import resolve_drafter
+
+    d, _ = resolve_drafter("default", target)
+    assert d is not None, "the trained drafter for the default model is missing from mlx_redrafter/drafters/"
+    return d
 
 
 @pytest.mark.parametrize("width,length", [(1, 5), (4, 5)])
-def test_shipped_drafter_is_exact_and_stops_inside_accepted_runs(target, chat_ids, ar_outputs, shipped,
-                                                                width, length):
+def test_shipped_drafter_is_exact_and_stops_inside_accepted_runs(target, prompts, ar_outputs, shipped, width,
+                                                                length):
     tok = target.tokenizer
-    short_ids = [tok.encode(tok.chat_prompt([{"role": "user", "content": p}])) for p in SHORT_PROMPTS]
-    short_ar = [sum(generate_tokens(target.model, ids, max_tokens=MAX_TOKENS, eos_ids=tok.eos_ids), [])
-                for ids in short_ids]
+    short = [tok.encode_chat([{"role": "user", "content": p}]) for p in SHORT_PROMPTS]
+    short_ar = [ar_tokens(target.model, p, MAX_TOKENS, tok.eos_ids) for p in short]
     eos_inside_run, accepted = 0, 0
-    for ids, ar in zip(chat_ids[:N_PROMPTS] + short_ids, ar_outputs + short_ar):
+    for p, ar in zip(prompts[:N_PROMPTS] + short, ar_outputs[:N_PROMPTS] + short_ar):
         stats = Stats()
-        rd = sum(generate_tokens(target.model, ids, drafter=shipped, beam_width=width, beam_length=length,
-                                 max_tokens=MAX_TOKENS, eos_ids=tok.eos_ids, stats=stats), [])
-        assert_same_or_tie(target.model, ids, ar, rd)
+        alloc = Allocator([Slot(RnnSource(shipped, target.model.embed), width), Slot(LookupSource(NgramIndex), 1)])
+        got = speculative_tokens(target.model, p, alloc, length, MAX_TOKENS, tok.eos_ids, stats)
+        problem = divergence(target.model, p, ar, got)
+        assert problem is None, problem
         accepted += sum(n * c for n, c in stats.accepted_hist.items())
         # eos decided inside an accepted run: decided tokens after it were dropped, none emitted
         eos_inside_run += stats.stop_reason == "eos" and stats.discarded_tokens > 0
     assert accepted > 0
     assert eos_inside_run >= 1
+
+
+def test_continuing_a_conversation_reuses_the_cache(target, chat_ids, drafter):
+    """Turn 2 decoded on top of turn 1's KV cache (only the new tokens prefilled) equals AR over everything."""
+    from mlx_redrafter.generate import generate_speculative
+
+    tok, model = target.tokenizer, target.model
+    first = chat_ids[5]
+    cache = model.make_cache(512)
+    alloc = Allocator([Slot(RnnSource(drafter, model.embed), 2), Slot(LookupSource(NgramIndex), 1)])
+    answer = sum(generate_speculative(model, first, alloc, length=4, max_tokens=12, eos_ids=tok.eos_ids,
+                                      cache=cache), [])
+    last = answer[-1]  # decided but not yet in the cache
+    assert cache.offset == len(first) + len(answer) - 1
+    follow = [last] + tok.encode("\n<|im_start|>user\nShorter, please.<|im_end|>\n<|im_start|>assistant\n")
+    stats = Stats()
+    got = sum(generate_speculative(model, follow, alloc, length=4, max_tokens=16, eos_ids=tok.eos_ids, cache=cache,
+                                   history=first + answer[:-1], stats=stats), [])
+    assert stats.prompt_tokens == len(follow)
+    full = first + answer[:-1] + follow
+    assert divergence(model, full, ar_tokens(model, full, 16, tok.eos_ids), got) is None

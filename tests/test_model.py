@@ -4,7 +4,6 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama as mlx_lm_llama
 
-from mlx_redrafter.cache import KVCache
 from mlx_redrafter.tree import pack, verify_mask
 
 
@@ -25,7 +24,7 @@ def mlx_lm_model(target):
 def test_logits_match_mlx_lm(target, chat_ids):
     ids = mx.array([chat_ids[0]])
     ref = mlx_lm_model(target)(ids)
-    ours, hidden = target.model(ids, KVCache(30, 256))
+    ours, hidden = target.model(ids, target.model.make_cache(256))
     assert ours.shape == ref.shape == (1, len(chat_ids[0]), 49152)
     assert hidden.shape == (1, len(chat_ids[0]), 576)
     assert mx.abs(ours - ref).max().item() <= 1e-4
@@ -34,7 +33,7 @@ def test_logits_match_mlx_lm(target, chat_ids):
 def test_the_embedded_model_answers_sensibly(target):
     tok = target.tokenizer
     ids = tok.encode(tok.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]))
-    cache = KVCache(30, 256)
+    cache = target.model.make_cache(256)
     logits, _ = target.model(mx.array([ids]), cache, last_only=True)
     cache.advance(len(ids))
     out = [mx.argmax(logits[0, -1]).item()]
@@ -47,7 +46,7 @@ def test_the_embedded_model_answers_sensibly(target):
 
 def test_packed_tree_forward_matches_each_beam_alone(target, chat_ids):
     prompt = chat_ids[1]
-    cache = KVCache(30, 512)
+    cache = target.model.make_cache(512)
     target.model(mx.array([prompt]), cache)
     cache.advance(len(prompt))
     beams = mx.array([[504, 314, 260, 1171], [504, 314, 3226, 28], [504, 4012, 260, 9]])

@@ -83,3 +83,18 @@ def test_verify_mask_sees_whole_context():
     assert m.shape == (1, 1, 3, 7)
     assert m[0, 0, :, :4].all()
     assert m[0, 0, :, 4:].tolist() == [[True, False, False], [True, True, False], [True, False, True]]
+
+
+def test_padded_slots_are_never_packed():
+    from mlx_redrafter.tree import PAD
+
+    tree = pack(mx.array([[7, 3, PAD, PAD], [7, 3, 5, 9], [7, PAD, PAD, PAD]]))
+    assert tree.size == 4
+    assert np.array(tree.tokens).tolist() == [7, 3, 5, 9]
+    assert np.array(tree.parent).tolist() == [-1, 0, 1, 2]
+    assert np.array(tree.unpacker).tolist() == [[0, 1, 0, 0], [0, 1, 2, 3], [0, 0, 0, 0]]
+
+
+def test_parent_is_the_ancestor_one_level_up():
+    tree = check([[7, 3, 5, 9], [7, 3, 8, 2], [7, 4, 1, 6]])
+    assert np.array(tree.parent).tolist() == [-1, 0, 1, 2, 1, 4, 0, 6, 7]

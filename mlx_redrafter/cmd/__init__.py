@@ -1,0 +1,1 @@
+"""Command-line entry points (`redrafter-mlx ...`); the library never imports this package."""

@@ -1,0 +1,71 @@
+"""What every command shares: the error exit, and the decoding / sampling options."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from ..errors import UserError
+
+MODEL_HELP = "Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded SmolLM2-135M)."
+DRAFTER_HELP = "Drafter: 'default' (shipped for the model), 'none', a directory, or random:SEED[:EXIT_DIM]."
+DTYPE_HELP = "float32 | float16 | bfloat16 | quantized | auto (auto = float32 on a CPU backend, quantized/float16 on GPU)."
+
+
+def fail(msg: str) -> None:
+    """Print one `error: ...` line on stderr and exit with status 2."""
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for commands: a UserError becomes one `error:` line and exit status 2 (never a traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            fail(str(e))
+
+    return wrapper
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers, e.g. "1,2,4"; a one-line UserError otherwise."""
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated integers, e.g. 1,2,4 (got {text!r})") from None
+    if not vals:
+        raise UserError(f"{flag} is empty")
+    return vals
+
+
+# Decoding flags shared by generate / chat (None = not given: tuned entry or default applies).
+Draft = typer.Option(None, "--draft", help="Drafting: auto (rnn+lookup with a drafter, else lookup), rnn, lookup, "
+                                           "rnn+lookup, none [tuned, else auto].")
+NoDraft = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (= --draft none).")
+BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the recurrent drafter [tuned, else 1].")
+BeamLength = typer.Option(None, "--beam-length", "-l", help="L: candidate length incl. the first token [tuned, else 3].")
+LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context [tuned, else 1].")
+Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup) or suffix (suffix automaton).")
+Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")
+TopP = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the top tokens holding this much mass.")
+TopK = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
+MinP = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability.")
+Seed = typer.Option(None, "--seed", help="Random seed (same seed, same text).")
+Accept = typer.Option("exact", "--accept", help="Speculative acceptance at T > 0: exact (the target's distribution) "
+                                                "or typical (Medusa's, faster, not exact).")
+TypicalEps = typer.Option(0.09, "--typical-eps", help="Typical acceptance: posterior threshold eps.")
+TypicalDelta = typer.Option(0.3, "--typical-delta", help="Typical acceptance: entropy factor delta.")
+
+
+def decode_flags(draft: str | None, no_draft: bool, beam_width: int | None, beam_length: int | None,
+                 lookup_width: int | None) -> dict[str, Any]:
+    """The decoding flags the user gave (None where not given)."""
+    return {"draft": "none" if no_draft else draft, "beam_width": beam_width, "beam_length": beam_length,
+            "lookup_width": lookup_width}

@@ -1,0 +1,35 @@
+"""`redrafter-mlx`: the command-line entry point (one typer app; each command lives in its own module)."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from ..errors import UserError
+from .chat import chat
+from .generate import generate
+from .train import distill, eval_drafter, train
+from .tune import tune
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Exact speculative decoding (ReDrafter + lookup drafting) in pure MLX.")
+app.command()(generate)
+app.command()(chat)
+app.command()(tune)
+app.command()(distill)
+app.command()(train)
+app.command("eval-drafter")(eval_drafter)
+
+
+def main() -> None:
+    """Console entry point."""
+    try:
+        app()
+    except UserError as e:  # safety net for errors raised outside a command's own handler
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

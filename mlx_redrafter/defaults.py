@@ -1,0 +1,11 @@
+"""Built-in defaults in one place: the decode shape used without a tuned entry, and the sweep grids."""
+
+# Without a tuned entry (`redrafter-mlx tune`): the best cell measured in bench/results/cpu (see README).
+DEFAULT_BEAM_WIDTH = 1
+DEFAULT_BEAM_LENGTH = 3
+DEFAULT_LOOKUP_WIDTH = 1
+
+# Sweep grids: `make bench` (full and --quick) and `redrafter-mlx tune`.
+BENCH_GRID = {"widths": [1, 2, 4], "lengths": [2, 3, 4, 5], "num_prompts": 8, "max_tokens": 128, "repeats": 1}
+QUICK_GRID = {"widths": [1, 2], "lengths": [3, 4], "num_prompts": 3, "max_tokens": 64, "repeats": 1}
+TUNE_GRID = {"widths": [1, 2, 4], "lengths": [2, 3, 4, 5], "num_prompts": 3, "max_tokens": 64, "repeats": 1}

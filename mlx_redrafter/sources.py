@@ -1,0 +1,128 @@
+"""The drafter interface: sources of candidate continuations, and how a step's verify budget is shared.
+
+A source proposes candidates for the next step: an int32 array (n, L) whose column 0 is the token the target
+already decided (g0) and whose other columns are guesses; a candidate that ends early is padded with
+`tree.PAD`. The decode step merges the candidates of every source, packs them into one tree, verifies them in
+one target call and keeps the longest accepted run, whichever source proposed it.
+
+Sources here: `RnnSource` (ReDrafter's recurrent head + beam search) and `LookupSource` (copies from the
+context, see lookup.py). Medusa heads and the semi-autoregressive drafter plug in the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from .beam_search import beam_search
+
+
+@dataclass
+class DecodeState:
+    """What a source may look at: the decided tokens and the target's state at the last one."""
+
+    tokens: list[int]  # every decided token (history + prompt + generated); the last one is g0
+    g0: mx.array  # (1,) int32: the last decided token, not yet in the KV cache
+    h: mx.array  # (1, H): the target's post-norm hidden state at the position before g0
+
+
+class DraftSource(Protocol):
+    """A source of candidate continuations (see the module docstring)."""
+
+    name: str
+
+    def start(self, tokens: list[int]) -> None:
+        """A new sequence begins; `tokens` are all decided tokens (g0 last)."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens decided by the last step were appended."""
+
+    def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        """Up to `width` candidates of length `length` (column 0 = g0), or None when there is nothing."""
+
+
+class RnnSource:
+    """ReDrafter: W beams of the recurrent draft head, conditioned on the target's hidden state."""
+
+    name = "rnn"
+
+    def __init__(self, drafter, embed: Callable[[mx.array], mx.array]):
+        self.drafter, self.embed = drafter, embed
+
+    def start(self, tokens: list[int]) -> None:
+        pass
+
+    def extend(self, tokens: list[int]) -> None:
+        pass
+
+    def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        beams, _ = beam_search(self.drafter, self.embed, state.h, state.g0, width, length)
+        return beams[0]
+
+
+class LookupSource:
+    """Training-free drafts copied from the context (an index of lookup.py kept in step with the tokens)."""
+
+    def __init__(self, index_factory: Callable[[], object], name: str = "lookup"):
+        self.factory, self.name = index_factory, name
+        self.index = index_factory()
+
+    def start(self, tokens: list[int]) -> None:
+        self.index = self.factory()
+        self.index.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        cands = self.index.candidates(length - 1, width)
+        if not cands:
+            return None
+        from .tree import PAD
+
+        rows = [[state.tokens[-1], *c] + [PAD] * (length - 1 - len(c)) for c in cands]
+        return mx.array(rows, dtype=mx.int32)
+
+
+@dataclass
+class Slot:
+    """One source in a step's plan and how many candidates it may propose."""
+
+    source: DraftSource
+    width: int
+
+
+class Allocator:
+    """Shares a step's candidates between sources.
+
+    Fixed (default): every source proposes up to its width every step. Adaptive: each source's recent value is
+    an exponential moving average of the drafts its best candidate had accepted; a source worth less than
+    `min_gain` drafts per step is left out (its candidates would only add verify cost), except on every
+    `probe`-th step, so it comes back as soon as it is useful again (e.g. lookup once the text repeats).
+    """
+
+    def __init__(self, slots: list[Slot], adaptive: bool = False, min_gain: float = 0.15, decay: float = 0.8,
+                 probe: int = 8):
+        self.slots, self.adaptive = slots, adaptive
+        self.min_gain, self.decay, self.probe = min_gain, decay, probe
+        self.gain = {s.source.name: 1.0 for s in slots}
+        self.step = 0
+
+    def plan(self) -> list[Slot]:
+        """The slots of the next step (sources left out get width 0)."""
+        self.step += 1
+        if not self.adaptive or self.step % self.probe == 0:
+            return self.slots
+        return [s if self.gain[s.source.name] >= self.min_gain else Slot(s.source, 0) for s in self.slots]
+
+    def update(self, runs: dict[str, int]) -> None:
+        """Record the drafts each proposing source's best candidate had accepted in the last step."""
+        for name, run in runs.items():
+            self.gain[name] = self.decay * self.gain[name] + (1 - self.decay) * run
+
+    @property
+    def sources(self) -> list[DraftSource]:
+        return [s.source for s in self.slots]

@@ -1,0 +1,124 @@
+"""One decoding step, by phase: prefill, an autoregressive step, and the speculative step.
+
+    speculative_step:  draft (sources.py) -> pack (tree.py) -> verify (model.py) -> accept (accept.py)
+                       -> commit (cache.py)
+
+Every function works on one sequence and keeps MLX lazy: the speculative step syncs twice (after drafting, to
+learn the packed tree's size; at the end, to read the accepted tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .accept import accept
+from .cache import KVCache
+from .model import Model
+from .sampling import GREEDY, Rng, Sampling, next_token
+from .sources import DecodeState, Slot
+from .tree import PAD, pack, verify_mask
+
+PHASES = ("draft", "pack", "verify", "accept", "commit")
+
+
+def prefill(model: Model, cache: KVCache, prompt: list[int], sampling: Sampling = GREEDY,
+            rng: Rng | None = None) -> tuple[mx.array, mx.array]:
+    """Feed the prompt at positions offset..offset+n-1; return (g0 (1,), h (1, H)): the target's next token
+    and its hidden state at the prompt's last position (lazy)."""
+    logits, hidden = model(mx.array([prompt]), cache, last_only=True)
+    cache.advance(len(prompt))
+    return next_token(logits[:, -1], sampling, rng), hidden[:, -1]
+
+
+def ar_step(model: Model, cache: KVCache, token: mx.array, sampling: Sampling = GREEDY,
+            rng: Rng | None = None) -> mx.array:
+    """Feed one token (1,); return the target's next token (1,) (lazy)."""
+    logits, _ = model(token[:, None], cache)
+    cache.advance(1)
+    return next_token(logits[:, -1], sampling, rng)
+
+
+@dataclass
+class StepResult:
+    """What one speculative step decided and what it cost."""
+
+    tokens: list[int]  # accepted drafts followed by the target's next token (the next g0)
+    g0: mx.array  # (1,) that next token
+    h: mx.array  # (1, H) hidden state at the last accepted position
+    accepted: int  # drafts accepted
+    verified: int  # packed tokens the target verified
+    candidates: int  # candidate slots proposed (before prefix sharing, PAD excluded)
+    runs: dict[str, int]  # per source: the drafts its best candidate would have had accepted
+    proposed: dict[str, int]  # per source: candidates proposed
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase (see `profile`)
+
+
+def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: list[Slot], length: int,
+                     sampling: Sampling = GREEDY, rng: Rng | None = None, profile: bool = False) -> StepResult:
+    """Draft candidates of `length` tokens from every source in `plan`, verify them in one target call, keep
+    the longest accepted run and commit its KV entries.
+
+    Without `profile` the phases are timed at the step's two syncs ("draft" includes packing; "verify"
+    includes acceptance and the commit's graph). With `profile=True` every phase is evaluated before its clock
+    stops: an honest split, at the price of a slower step.
+    """
+    clock = _Clock(profile)
+    parts, names = [], []
+    for slot in plan:  # draft
+        c = slot.source.propose(state, length, slot.width) if slot.width > 0 else None
+        if c is not None:
+            parts.append(c)
+            names.append((slot.source.name, c.shape[0]))
+    if not parts:  # nothing to propose: verify g0 alone (an autoregressive step)
+        parts = [mx.concatenate([state.g0.astype(mx.int32), mx.full((length - 1,), PAD, dtype=mx.int32)])[None]]
+    cands = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    clock.lap("draft", cands)
+    tree = pack(cands)  # pack (syncs once: the packed size)
+    clock.lap("pack", tree.mask, tree.parent, unprofiled="draft")
+    positions = (cache.offset + tree.depth)[None]  # verify
+    logits, hidden = model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))
+    clock.lap("verify", logits, hidden)
+    acc = accept(cands, tree, logits[0], sampling, None if sampling.greedy else rng.next())  # accept
+    h = hidden[0, acc.stop][None]
+    drafted = tree.tokens[acc.path]
+    n_real = (cands >= 0).sum()
+    mx.eval(acc.n, acc.next_token, h, drafted, acc.runs, n_real)
+    clock.lap("accept", unprofiled="verify")
+    n = acc.n.item()
+    cache.commit(acc.path, n + 1)  # commit (lazy: evaluated with the next verify unless profiling)
+    clock.lap("commit", *cache.state())
+    tokens = drafted[1 : n + 1].tolist() + acc.next_token.tolist()
+    runs, proposed, row = {}, {}, 0
+    all_runs = acc.runs.tolist()
+    for name, k in names:
+        runs[name] = max(runs.get(name, 0), max(all_runs[row : row + k]))
+        proposed[name] = proposed.get(name, 0) + k
+        row += k
+    return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
+                      candidates=n_real.item(), runs=runs, proposed=proposed,
+                      seconds=clock.seconds)
+
+
+class _Clock:
+    """Phase timer: laps at the step's syncs, or (profiling) after evaluating each phase's outputs."""
+
+    def __init__(self, profile: bool):
+        self.profile = profile
+        self.seconds: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, phase: str, *outputs: mx.array, unprofiled: str | None = None) -> None:
+        """Profiling: evaluate `outputs`, then book the time since the last lap to `phase`. Otherwise book it
+        to `unprofiled` (a lap at a sync the step does anyway), or do nothing."""
+        if self.profile:
+            mx.eval(*outputs)
+        elif unprofiled is None:
+            return
+        else:
+            phase = unprofiled
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.t
+        self.t = now

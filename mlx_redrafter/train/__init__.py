@@ -1,0 +1,2 @@
+"""Drafter training: the distillation corpus (`corpus`), derived features (`features`), losses, the training
+loop and evaluation."""

@@ -1,0 +1,66 @@
+"""Acceptance of a drafter on prompts it never saw: tokens per target call, per-position acceptance, the
+accepted-length histogram and draft / verify time per step, for every W x L (greedy, float32)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: list[int], num_prompts: int,
+             max_tokens: int, prompts: Path | None = None, draft: str = "rnn", log=print) -> dict:
+    """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates."""
+    from .. import api
+    from ..prompts import first_turns
+
+    rows = first_turns(prompts, num_prompts)
+    runner = api.load(model, drafter_spec, "float32")
+    if "rnn" in draft and runner.drafter is None:
+        raise UserError(f"no drafter for {runner.target.name}: pass --drafter DIR")
+    ids = [api.encode_prompt(runner, r["prompt"]) for r in rows]
+    results = []
+    for w in widths:
+        for length in lengths:
+            opts = api.DecodeOptions(draft=draft, beam_width=w, beam_length=length, max_tokens=max_tokens)
+            opts.check()
+            per_prompt, hist, steps, decided, t0 = [], Counter(), 0, 0.0, time.perf_counter()
+            phase = Counter()
+            for p in ids:
+                st = api.generate(runner, p, opts).stats
+                if st.steps:
+                    per_prompt.append(st.tokens_per_step)
+                    steps += st.steps
+                    decided += st.tokens_per_step * st.steps
+                    phase.update(st.phase_s)
+                hist.update(st.accepted_hist)
+            total = sum(hist.values())
+            # P(draft position k accepted) = share of steps that accepted >= k drafts
+            pos_acc = [round(sum(v for n, v in hist.items() if n >= k) / max(total, 1), 4) for k in range(1, length)]
+            rec = {"W": w, "L": length, "tokens_per_step": round(sum(per_prompt) / max(len(per_prompt), 1), 4),
+                   "tokens_per_step_pooled": round(decided / max(steps, 1), 4), "steps": steps,
+                   "accept_rate_by_position": pos_acc,
+                   "draft_ms_per_step": round(1000 * phase["draft"] / max(steps, 1), 1),
+                   "verify_ms_per_step": round(1000 * phase["verify"] / max(steps, 1), 1),
+                   "accepted_hist": {str(k): hist[k] for k in sorted(hist)},
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            results.append(rec)
+            if log:
+                log(str(rec))
+    return {"model": runner.target.name, "drafter": runner.drafter_name, "draft": draft, "prompts": len(ids),
+            "prompts_file": str(prompts or "MT-bench (packaged)"), "max_tokens": max_tokens, "results": results}
+
+
+def format_eval(res: dict) -> str:
+    """A markdown table of tokens per target call by W x L."""
+    Ls = sorted({r["L"] for r in res["results"]})
+    Ws = sorted({r["W"] for r in res["results"]})
+    cell = {(r["W"], r["L"]): r["tokens_per_step"] for r in res["results"]}
+    lines = [f"tokens per target call, {res['model']} + {res['drafter']} ({res['draft']}), {res['prompts']} prompts "
+             f"of {res['prompts_file']}, greedy, {res['max_tokens']} new tokens", "",
+             "| W \\ L | " + " | ".join(str(L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
+    for w in Ws:
+        lines.append(f"| {w} | " + " | ".join(f"{cell[(w, L)]:.2f}" if (w, L) in cell else "" for L in Ls) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""Lookup indices (prompt n-gram lookup, suffix automaton) against brute-force searches on random texts."""
+
+import numpy as np
+
+from mlx_redrafter.lookup import NgramIndex, SuffixIndex
+
+
+def brute_longest_earlier_match(toks):
+    """Length and first end of the longest suffix of toks that also ends earlier (None if none)."""
+    n = len(toks)
+    for m in range(n - 1, 0, -1):
+        suffix = toks[n - m:]
+        for end in range(m - 1, n - 1):
+            if toks[end - m + 1 : end + 1] == suffix:
+                return m, end
+    return None
+
+
+def test_suffix_index_finds_the_longest_earlier_occurrence():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        toks = rng.integers(0, 4, size=rng.integers(2, 40)).tolist()
+        idx = SuffixIndex()
+        for t in toks:  # incremental, one token at a time
+            idx.extend([t])
+        want = brute_longest_earlier_match(toks)
+        got = idx.candidates(3, 1)
+        if want is None:
+            assert got == []
+        else:
+            m, end = want
+            assert got[0] == toks[end + 1 : end + 4]
+            v = idx.link[idx.last]
+            assert idx.length[v] == m
+
+
+def test_ngram_index_prefers_longest_then_most_recent():
+    idx = NgramIndex(max_n=3)
+    idx.extend([1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3])
+    # "1 2 3" occurred at 0..2 (then 9 5 2); "2 3" most recently at 5..6 (then 8 7 1)
+    assert idx.candidates(3, 2) == [[9, 5, 2], [8, 7, 1]]
+
+
+def test_lookup_finds_nothing_in_new_text():
+    for idx in (NgramIndex(), SuffixIndex()):
+        idx.extend([1, 2, 3, 4])
+        assert idx.candidates(4, 2) == []
