@@ -1,18 +1,18 @@
 """Import a PyTorch ReDrafter drafter checkpoint (Apple's ml-recurrent-drafter format) as an MLX drafter.
 
-    python -m convert.from_torch PATH [--out DIR] [--model M] [--dtype D] [--force]
+    python -m convert.from_torch PATH [--out DIR] [--model M] [--dtype D] [--quantize 4|8] [--group-size G] [--force]
 
 PATH is a `model.safetensors`, a torch state dict (`pytorch_model.bin` / `model.pt`, read with
 `torch.load(weights_only=True)`, so no pickled code ever runs), or a directory holding one of them and
 usually `config.json`. Key spellings seen in the wild are accepted (`input_projs`, `lm_heads.{i}`, `0.{i}`,
 ResBlocks with or without the `.linear` level). A missing config is inferred from the tensor shapes.
 The output is a drafter directory (config.json + model.safetensors) for `mlx_redrafter.drafter.load_drafter`,
-written atomically. Any problem is reported as one `error: ...` line and a non-zero exit, with no output dir.
+written atomically. `--quantize` stores every linear quantized (mlx-lm style, see `quantize_drafter`).
+Any problem is reported as one `error: ...` line and exit status 2, with no output dir.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import struct
@@ -25,12 +25,23 @@ import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.c
 
 # isort: split
 import mlx.core as mx
+import typer
 
-from mlx_redrafter.drafter import MODEL_TYPE, Drafter, DrafterArgs, check_compatible, save_drafter
+from convert.cli import run
+from mlx_redrafter.cmd.common import one_line_errors
+from mlx_redrafter.drafter import (
+    MODEL_TYPE,
+    Drafter,
+    DrafterArgs,
+    check_compatible,
+    check_quantization,
+    quantize_drafter,
+    save_drafter,
+)
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.loader import DTYPES, load_target
 
 WEIGHT_NAMES = ("model.safetensors", "drafter.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # config.json keys of a Hugging Face PretrainedConfig that describe the source file, not the drafter.
 _DROP_CONFIG_KEYS = {"torch_dtype", "dtype", "_name_or_path", "transformers_version", "architectures", "auto_map"}
 _KEY_PREFIXES = ("module.", "drafter.")
@@ -204,6 +215,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise UserError(f"{cfg_file} is not a JSON object")
         if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
             raise UserError(f"{cfg_file} describes a {cfg.get('model_type')!r} model, not a ReDrafter drafter")
+        if cfg.get("quantization") is not None:
+            raise UserError(f"{cfg_file.parent} is a quantized MLX drafter, not a PyTorch checkpoint: load it as it "
+                            f"is (or export it with `python -m convert.to_torch --dequantize`)")
     tensors, renamed = canonical_keys(read_tensors(weights), weights)
     return Checkpoint(weights_file=weights, config=cfg, tensors=tensors, renamed=renamed)
 
@@ -294,12 +308,16 @@ def check_tensors(args: DrafterArgs, tensors: dict[str, mx.array], file: Path, r
             raise UserError(f"{file}: draft_vocab has token ids outside [0, {args.vocab_size})")
 
 
+def check_dtype(dtype: str) -> None:
+    """One-line error unless `dtype` is auto or a name in `mlx_redrafter.loader.DTYPES`."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UserError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+
+
 def _pick_dtype(tensors: dict[str, mx.array], key: str, dtype: str) -> mx.Dtype:
     if dtype == "auto":
         src = tensors[key].dtype
-        return src if src in (mx.float32, mx.float16, mx.bfloat16) else mx.float32
-    if dtype not in DTYPES:
-        raise UserError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+        return src if src in DTYPES.values() else mx.float32
     return DTYPES[dtype]
 
 
@@ -327,31 +345,34 @@ def default_out(weights_file: Path, given: Path) -> Path:
 
 
 def convert(path: str | Path, out: str | Path | None = None, model: str | None = None, dtype: str = "auto",
-            quantize: int | None = None, force: bool = False) -> dict[str, Any]:
-    """Convert a PyTorch drafter checkpoint to an MLX drafter directory; returns a summary dict."""
+            quantize: int | None = None, group_size: int = 64, force: bool = False) -> dict[str, Any]:
+    """Convert a PyTorch drafter checkpoint to an MLX drafter directory; returns a summary dict.
+
+    `dtype`: auto (the vocab projection's stored dtype) or a name in DTYPES; `quantize`: None, 4 or 8 bits
+    (scales and biases then have that dtype)."""
+    check_dtype(dtype)
     if quantize is not None:
-        raise UserError(f"--quantize {quantize} is not supported yet: load_drafter reads unquantized drafters only "
-                        f"(convert without --quantize)")
+        check_quantization(quantize, group_size)
     given = Path(path).expanduser()
     ckpt = load_checkpoint(given)
-    target = None
-    if model is not None:
-        from mlx_redrafter.loader import load_target
-
-        target = load_target(model, "float32")
-    target_vocab = target.model.args.vocab_size if target is not None else None
-    args, inferred = infer_args(ckpt, target_vocab)
-    check_tensors(args, ckpt.tensors, ckpt.weights_file, ckpt.renamed)
-    if target is not None:
-        check_compatible(args, target.model.args.hidden_size, target.model.args.vocab_size, str(ckpt.weights_file))
-    head = f"lm_head.{args.num_draft_layers}.weight"
-    dt = _pick_dtype(ckpt.tensors, head, dtype)
-    drafter = build_drafter(args, ckpt.tensors, dt, ckpt.weights_file)
     out_dir = Path(out).expanduser() if out else default_out(ckpt.weights_file, given)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise UserError(f"output {out_dir} already exists: pass --force to replace it, or choose --out")
     if out_dir.resolve() == ckpt.weights_file.parent.resolve():
         raise UserError(f"output {out_dir} is the checkpoint's own directory: choose another --out")
+    target = load_target(model, "float32") if model is not None else None
+    target_vocab = target.model.args.vocab_size if target is not None else None
+    args, inferred = infer_args(ckpt, target_vocab)
+    check_tensors(args, ckpt.tensors, ckpt.weights_file, ckpt.renamed)
+    if target is not None:
+        check_compatible(args, target.model.args.hidden_size, target.model.args.vocab_size, str(ckpt.weights_file))
+    if quantize is not None:
+        args.check_quantization(quantize, group_size)
+    head = f"lm_head.{args.num_draft_layers}.weight"
+    dt = _pick_dtype(ckpt.tensors, head, dtype)
+    drafter = build_drafter(args, ckpt.tensors, dt, ckpt.weights_file)
+    if quantize is not None:
+        quantize_drafter(drafter, quantize, group_size)
     save_drafter(drafter, out_dir)
     return {
         "source": str(ckpt.weights_file),
@@ -362,6 +383,7 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
         "renamed": ckpt.renamed,
         "source_dtypes": sorted({str(v.dtype).replace("mlx.core.", "") for v in ckpt.tensors.values()}),
         "dtype": str(dt).replace("mlx.core.", ""),
+        "quantization": drafter.args.quantization,
         "shapes": {k: list(v.shape) for k, v in ckpt.tensors.items()},
         "num_params": drafter.num_params(),
         "target": None if target is None else {"name": target.name, "hidden_size": target.model.args.hidden_size,
@@ -387,30 +409,42 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  renamed keys: {shown}")
     for k, shape in sorted(s["shapes"].items()):
         lines.append(f"    {k:28s} {tuple(shape)}")
-    lines.append(f"  parameters: {s['num_params']:,} (source {'/'.join(s['source_dtypes'])}, written as {s['dtype']})")
+    q = s["quantization"]
+    written = s["dtype"] + (f", quantized to {q['bits']} bits (group size {q['group_size']})" if q else "")
+    lines.append(f"  parameters: {s['num_params']:,} (source {'/'.join(s['source_dtypes'])}, written as {written})")
     t = s["target"]
     lines.append(f"  target check: ok for {t['name']} (hidden {t['hidden_size']}, vocab {t['vocab_size']})" if t
                  else "  target check: skipped (pass --model to check hidden size and vocabulary)")
     return "\n".join(lines)
 
 
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+PROG = "python -m convert.from_torch"
+
+
+@app.command()
+@one_line_errors
+def command(
+    path: str = typer.Argument(..., help="model.safetensors, pytorch_model.bin / model.pt, or a directory with one "
+                                         "of them (and usually config.json)."),
+    out: str | None = typer.Option(None, "--out", help="Output drafter directory (default: ./<name>-mlx)."),
+    model: str | None = typer.Option(None, "--model", help="Target model to check hidden size and vocabulary "
+                                     "against ('default' = the embedded SmolLM2-135M, a .gguf, an mlx-lm directory "
+                                     "or a hub repo)."),
+    dtype: str = typer.Option("auto", "--dtype", help=f"Weight dtype: auto (keep the source's), "
+                                                     f"{', '.join(DTYPES)}."),
+    quantize: int | None = typer.Option(None, "--quantize", help="Quantize every linear to 4 or 8 bits (mlx-lm "
+                                        "style; smaller files, fast on Metal, slow on a CPU backend)."),
+    group_size: int = typer.Option(64, "--group-size", help="Quantization group size: 32, 64 or 128."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+) -> None:
+    """Import a PyTorch ReDrafter drafter checkpoint (Apple's format) as an MLX drafter directory."""
+    typer.echo(format_summary(convert(path, out, model, dtype, quantize, group_size, force)))
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m convert.from_torch", description=__doc__.splitlines()[0])
-    p.add_argument("path", help="model.safetensors, pytorch_model.bin / model.pt, or a directory with one of them")
-    p.add_argument("--out", help="output drafter directory (default: ./<name>-mlx)")
-    p.add_argument("--model", help="target model to check hidden size and vocabulary against ('default' = the "
-                                   "embedded SmolLM2-135M, a .gguf, an mlx-lm dir or a hub repo)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype (auto: keep the source's)")
-    p.add_argument("--quantize", type=int, choices=[4, 8], help="quantize weights (not supported yet)")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    a = p.parse_args(argv)
-    try:
-        summary = convert(a.path, a.out, a.model, a.dtype, a.quantize, a.force)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_summary(summary))
-    return 0
+    """Command line (`python -m convert.from_torch`); returns the exit status (2 = bad input, one error line)."""
+    return run(app, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Export a redrafter-mlx drafter in Apple's PyTorch ReDrafter format (config.json + model.safetensors).
 
-    python -m convert.to_torch DRAFTER_DIR --out DIR [--dtype D] [--approximate-draft-vocab] [--force]
+    python -m convert.to_torch DRAFTER_DIR --out DIR [--dtype D] [--approximate-draft-vocab] [--dequantize] [--force]
 
 The output loads with `safetensors.torch.load_file` into Apple's `Drafter` (ml-recurrent-drafter) and is what
 TensorRT-LLM's ReDrafter converter reads. Keys and layouts are already Apple's (nn.Linear (out, in)).
@@ -12,11 +12,15 @@ the subset's logits whenever they are negative). We therefore refuse by default.
 `--approximate-draft-vocab` the head is materialised as a (V, E) matrix whose subset rows are the trained
 rows and all other rows are zero; the exported drafter then differs from ours (documented in config.json as
 `approximate_from_draft_vocab`).
+
+Quantized drafters (our extension: `quantization` in config.json) have no equivalent in Apple's format either:
+refused by default. With `--dequantize` every linear is written as its dequantized float weights
+(scales · q + biases, in the scales' dtype unless --dtype says otherwise): the same function the quantized
+drafter computes, up to float rounding, but not the weights it was quantized from.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,20 +29,13 @@ import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.c
 
 # isort: split
 import mlx.core as mx
+import typer
 
-from mlx_redrafter.drafter import Drafter, DrafterArgs, load_drafter, save_drafter
+from convert.cli import run
+from mlx_redrafter.cmd.common import one_line_errors
+from mlx_redrafter.drafter import Drafter, DrafterArgs, dequantize_drafter, load_drafter, save_drafter
 from mlx_redrafter.errors import UserError
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def _stored_dtype(path: Path, key: str) -> mx.Dtype:
-    files = [path / "model.safetensors"] if path.is_dir() else [path]
-    try:
-        dt = mx.load(str(files[0]))[key].dtype
-    except Exception:
-        return mx.float32
-    return dt if dt in DTYPES.values() else mx.float32
+from mlx_redrafter.loader import DTYPES
 
 
 def full_vocab_drafter(d: Drafter, approximate: bool, where: str) -> Drafter:
@@ -54,7 +51,6 @@ def full_vocab_drafter(d: Drafter, approximate: bool, where: str) -> Drafter:
         )
     args = DrafterArgs.from_dict({**a.to_dict(), "draft_vocab_size": None,
                                   "approximate_from_draft_vocab": a.draft_vocab_size})
-    args.draft_vocab_size = None
     out = Drafter(args)
     head = d.lm_head[-1].weight
     full = mx.zeros((a.vocab_size, a.exit_dim), dtype=head.dtype)
@@ -73,8 +69,11 @@ def _flat(d: Drafter) -> dict[str, mx.array]:
 
 
 def export(path: str | Path, out: str | Path, dtype: str = "auto", approximate: bool = False,
-           force: bool = False) -> dict[str, Any]:
-    """Write the drafter at `path` in Apple's format to `out` (atomically); returns a summary."""
+           dequantize: bool = False, force: bool = False) -> dict[str, Any]:
+    """Write the drafter at `path` in Apple's format to `out` (atomically); returns a summary.
+
+    `dtype`: auto (the vocab projection's stored float dtype; for a quantized drafter, its scales') or a name in
+    DTYPES. A quantized drafter needs `dequantize=True`; a draft-vocab head needs `approximate=True`."""
     src = Path(path).expanduser()
     out_dir = Path(out).expanduser()
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
@@ -83,9 +82,15 @@ def export(path: str | Path, out: str | Path, dtype: str = "auto", approximate: 
         raise UserError(f"output {out_dir} is the input drafter's own directory: choose another --out")
     if dtype not in ("auto", *DTYPES):
         raise UserError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    d = load_drafter(src)  # one-line UserErrors for missing/corrupt input
-    head = f"lm_head.{d.args.num_draft_layers}.weight"
-    dt = _stored_dtype(src, head) if dtype == "auto" else DTYPES[dtype]
+    d = load_drafter(src, dtype=None)  # stored dtypes; one-line UserErrors for missing/corrupt input
+    q = d.args.quantization
+    if q:
+        if not dequantize:
+            raise UserError(f"{src} is quantized ({q['bits']} bits, group size {q['group_size']}) and Apple's format "
+                            f"has no quantization: pass --dequantize to export its dequantized float weights")
+        d = dequantize_drafter(d)
+    head = d.lm_head[-1].weight.dtype
+    dt = (head if head in DTYPES.values() else mx.float32) if dtype == "auto" else DTYPES[dtype]
     d = full_vocab_drafter(d, approximate, str(src))
     d.apply(lambda x: x.astype(dt) if mx.issubdtype(x.dtype, mx.floating) else x)
     mx.eval(d.parameters())
@@ -93,29 +98,44 @@ def export(path: str | Path, out: str | Path, dtype: str = "auto", approximate: 
     flat = _flat(d)
     return {"source": str(src), "out": str(out_dir), "dtype": str(dt).replace("mlx.core.", ""),
             "shapes": {k: list(v.shape) for k, v in flat.items()}, "num_params": d.num_params(),
-            "approximate": bool(approximate and "approximate_from_draft_vocab" in d.args.extra)}
+            "approximate": approximate and "approximate_from_draft_vocab" in d.args.extra, "dequantized_from": q}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """Human-readable summary of an export."""
+    lines = [f"exported {s['source']} -> {s['out']} (Apple ReDrafter format, {s['dtype']}, {s['num_params']:,} params)"]
+    lines += [f"    {k:28s} {tuple(shape)}" for k, shape in sorted(s["shapes"].items())]
+    if s["approximate"]:
+        lines.append("  note: draft-vocab head materialised with zero rows for the other tokens: NOT exact")
+    if s["dequantized_from"]:
+        lines.append(f"  note: dequantized from {s['dequantized_from']['bits']} bits (the quantized drafter's weights, "
+                     f"not the original float ones)")
+    return "\n".join(lines)
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+PROG = "python -m convert.to_torch"
+
+
+@app.command()
+@one_line_errors
+def command(
+    drafter: str = typer.Argument(..., help="redrafter-mlx drafter directory (config.json + model.safetensors)."),
+    out: str = typer.Option(..., "--out", help="Output directory (Apple's format)."),
+    dtype: str = typer.Option("auto", "--dtype", help=f"Weight dtype: auto (as stored), {', '.join(DTYPES)}."),
+    approximate_draft_vocab: bool = typer.Option(False, "--approximate-draft-vocab", help="Export a draft-vocab "
+                                                 "head as a full (V, E) head with zero rows (not exact)."),
+    dequantize: bool = typer.Option(False, "--dequantize", help="Export a quantized drafter as its dequantized "
+                                    "float weights (Apple's format has no quantization)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+) -> None:
+    """Export a redrafter-mlx drafter in Apple's PyTorch ReDrafter format."""
+    typer.echo(format_summary(export(drafter, out, dtype, approximate_draft_vocab, dequantize, force)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m convert.to_torch", description=__doc__.splitlines()[0])
-    p.add_argument("drafter", help="redrafter-mlx drafter directory (config.json + model.safetensors)")
-    p.add_argument("--out", required=True, help="output directory (Apple format)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype (auto: as stored)")
-    p.add_argument("--approximate-draft-vocab", action="store_true",
-                   help="export a draft-vocab head as a full (V, E) head with zero rows (not exact)")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    a = p.parse_args(argv)
-    try:
-        s = export(a.drafter, a.out, a.dtype, a.approximate_draft_vocab, a.force)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {s['source']} -> {s['out']} (Apple ReDrafter format, {s['dtype']}, {s['num_params']:,} params)")
-    for k, shape in sorted(s["shapes"].items()):
-        print(f"    {k:28s} {tuple(shape)}")
-    if s["approximate"]:
-        print("  note: draft-vocab head materialised with zero rows for the other tokens: NOT exact")
-    return 0
+    """Command line (`python -m convert.to_torch`); returns the exit status (2 = bad input, one error line)."""
+    return run(app, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ Forward for one beam-search step, with h = the target's post-norm hidden state (
 Format extension (a superset of Apple's; documented in README): `draft_vocab_size` = K in config.json and a
 `draft_vocab` int32 tensor (K,) of token ids; the vocab projection `lm_head.{N}.weight` is then (K, E) and
 predicts only those tokens (a frequent-token head, as in FR-Spec). Apple-format checkpoints load unchanged.
+
+Quantized drafters (mlx-lm style): `quantization: {"bits": b, "group_size": g}` in config.json, every nn.Linear
+(input_proj, the ResBlocks, the vocab projection, rnn_u / rnn_w) stored as `.weight` (uint32, packed) +
+`.scales` + `.biases` (affine `mx.quantize`), other tensors unchanged. Apple's format has no equivalent.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ import mlx.nn as nn
 from .errors import UserError
 
 MODEL_TYPE = "recurrent_drafting_drafter"
+QUANT_BITS = (4, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass
 class DrafterArgs:
+    """A drafter's config.json: Apple's keys, plus our `draft_vocab_size` and `quantization` extensions."""
+
     vocab_size: int
     hidden_size: int
     exit_dim: int
@@ -38,25 +46,56 @@ class DrafterArgs:
     num_lookback_tokens: int = 1
     model_type: str = MODEL_TYPE
     draft_vocab_size: int | None = None  # extension: head over a token subset
+    quantization: dict[str, int] | None = None  # extension: {"bits": b, "group_size": g} (mlx-lm style)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterArgs:
+        """Args from a config dict; unknown keys are kept in `extra`; one-line error for a bad config."""
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         missing = [k for k in ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers") if k not in cfg]
         if missing:
             raise UserError(f"drafter config.json lacks {', '.join(missing)}")
-        return cls(**{k: v for k, v in cfg.items() if k in known},
+        args = cls(**{k: v for k, v in cfg.items() if k in known},
                    extra={k: v for k, v in cfg.items() if k not in known})
+        if args.quantization is not None:
+            q = args.quantization
+            affine = isinstance(q, dict) and q.get("mode", "affine") == "affine"
+            if not affine or set(q) - {"bits", "group_size", "mode"}:
+                raise UserError(f"drafter config quantization = {q!r}: expected {{\"bits\": B, \"group_size\": G}}")
+            args.check_quantization(q.get("bits"), q.get("group_size"))
+            args.quantization = {"bits": q["bits"], "group_size": q["group_size"]}
+        return args
 
     def to_dict(self) -> dict[str, Any]:
+        """The config.json contents (optional extensions only when set)."""
         d = {k: v for k, v in asdict(self).items() if k != "extra"}
-        if d["draft_vocab_size"] is None:
-            del d["draft_vocab_size"]
+        for key in ("draft_vocab_size", "quantization"):
+            if d[key] is None:
+                del d[key]
         return {**self.extra, **d}
+
+    def check_quantization(self, bits: Any, group_size: Any) -> None:
+        """One-line error unless every linear of this drafter can be quantized to `bits` with `group_size`."""
+        check_quantization(bits, group_size)
+        for name, dim in {"exit_dim": self.exit_dim, "hidden_size": self.hidden_size}.items():  # all input dims
+            if dim % group_size:
+                raise UserError(f"{name} {dim} is not a multiple of the quantization group size {group_size}: "
+                                f"choose a group size that divides it")
+
+
+def check_quantization(bits: Any, group_size: Any) -> None:
+    """One-line error unless `bits` and `group_size` are a supported quantization (QUANT_BITS, QUANT_GROUP_SIZES)."""
+    if type(bits) is not int or bits not in QUANT_BITS:
+        raise UserError(f"quantization bits = {bits!r} is not supported: choose {' or '.join(map(str, QUANT_BITS))}")
+    if type(group_size) is not int or group_size not in QUANT_GROUP_SIZES:
+        raise UserError(f"quantization group size = {group_size!r} is not supported: choose "
+                        f"{', '.join(map(str, QUANT_GROUP_SIZES))}")
 
 
 class ResBlock(nn.Module):
+    """x + SiLU(W x + b)."""
+
     def __init__(self, dim: int):
         super().__init__()
         self.linear = nn.Linear(dim, dim, bias=True)
@@ -66,6 +105,8 @@ class ResBlock(nn.Module):
 
 
 class Drafter(nn.Module):
+    """The ReDrafter head; its module structure (incl. quantized linears) is a function of `args` alone."""
+
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.args = args
@@ -81,6 +122,8 @@ class Drafter(nn.Module):
             self.emb_norm = nn.RMSNorm(H)  # part of the format; unused in the forward, as in the reference
         if args.draft_vocab_size:
             self.draft_vocab = mx.arange(args.draft_vocab_size, dtype=mx.int32)
+        if args.quantization:  # lazy: the random weights quantized here are never computed once weights load
+            _quantize_linears(self, args.quantization["bits"], args.quantization["group_size"])
 
     def next_state(self, state: mx.array, token_emb: mx.array) -> mx.array:
         """RNN update with the embedding of the last drafted token: (..., H) -> (..., H)."""
@@ -102,9 +145,58 @@ class Drafter(nn.Module):
         return self.draft_vocab[head_index] if self.args.draft_vocab_size else head_index
 
     def num_params(self) -> int:
+        """Number of weights (a quantized matrix counts its unpacked entries; scales and biases not counted)."""
         from mlx.utils import tree_flatten
 
-        return sum(v.size for k, v in tree_flatten(self.parameters()) if k != "draft_vocab")
+        bits = self.args.quantization["bits"] if self.args.quantization else 32
+        n = 0
+        for k, v in tree_flatten(self.parameters()):
+            if k == "draft_vocab" or k.endswith((".scales", ".biases")):
+                continue
+            n += v.size * 32 // bits if v.dtype == mx.uint32 else v.size
+        return n
+
+
+def _quantize_linears(drafter: Drafter, bits: int, group_size: int) -> None:
+    nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+
+
+def quantize_drafter(drafter: Drafter, bits: int = 4, group_size: int = 64) -> Drafter:
+    """Quantize every nn.Linear of `drafter` in place (affine `mx.quantize`); returns it.
+
+    Scales and biases keep the weights' float dtype. `save_drafter` then writes the `quantization` config."""
+    if drafter.args.quantization:
+        raise UserError(f"the drafter is already quantized ({drafter.args.quantization['bits']}-bit)")
+    drafter.args.check_quantization(bits, group_size)
+    _quantize_linears(drafter, bits, group_size)
+    drafter.args.quantization = {"bits": bits, "group_size": group_size}
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def dequantize_drafter(drafter: Drafter) -> Drafter:
+    """Replace every quantized linear by a float nn.Linear holding its dequantized weights, in place; returns it.
+
+    The float dtype is that of the scales. A drafter that is not quantized is returned unchanged."""
+    from mlx.utils import tree_map_with_path
+
+    if not drafter.args.quantization:
+        return drafter
+
+    def dequantize(_: str, m: nn.Module) -> nn.Module:
+        if not isinstance(m, nn.QuantizedLinear):
+            return m
+        w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
+        linear = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+        linear.weight = w
+        if "bias" in m:
+            linear.bias = m.bias
+        return linear
+
+    drafter.update_modules(tree_map_with_path(dequantize, drafter.leaf_modules(), is_leaf=nn.Module.is_module))
+    drafter.args.quantization = None
+    mx.eval(drafter.parameters())
+    return drafter
 
 
 def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int, where: str) -> None:
@@ -150,8 +242,11 @@ def _find_weights(path: Path) -> Path:
     return files[0]
 
 
-def load_drafter(path: str | Path, dtype: mx.Dtype = mx.float32) -> Drafter:
-    """Load a drafter directory (config.json + model.safetensors) or a .safetensors with config.json beside it."""
+def load_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> Drafter:
+    """Load a drafter directory (config.json + model.safetensors) or a .safetensors with config.json beside it.
+
+    Float tensors are cast to `dtype` (None: keep the stored dtypes). A quantized drafter (`quantization` in
+    config.json) is built quantized and stays quantized; `dtype` then applies to its scales and biases."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"drafter {path} does not exist (give a directory with config.json + model.safetensors)")
@@ -179,7 +274,8 @@ def load_drafter(path: str | Path, dtype: mx.Dtype = mx.float32) -> Drafter:
         raise UserError(f"drafter weights {weights_file} do not match its config.json: {detail}") from None
     if args.draft_vocab_size:
         drafter.draft_vocab = drafter.draft_vocab.astype(mx.int32)
-    _cast_floats(drafter, dtype)
+    if dtype is not None:
+        _cast_floats(drafter, dtype)
     mx.eval(drafter.parameters())
     return drafter
 
@@ -189,7 +285,8 @@ def _cast_floats(drafter: Drafter, dtype: mx.Dtype) -> None:
 
 
 def save_drafter(drafter: Drafter, out_dir: str | Path, extra_files: dict[str, str] | None = None) -> Path:
-    """Write config.json + model.safetensors atomically (temp dir, then rename)."""
+    """Write config.json + model.safetensors (+ extra text files) as a directory, atomically (temp dir, then
+    rename); an existing `out_dir` is replaced. Returns `out_dir`."""
     from mlx.utils import tree_flatten
 
     out = Path(out_dir)

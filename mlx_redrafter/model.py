@@ -190,6 +190,14 @@ class Model(nn.Module):
         """Input embeddings of token ids, in the activation dtype."""
         return self.model.embed_tokens(tokens).astype(self.dtype)
 
+    def output_weight(self) -> mx.array:
+        """The vocabulary projection (V, H) in the activation dtype (the tied embedding table if tied)."""
+        layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        if hasattr(layer, "scales"):  # quantized
+            return mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits).astype(
+                self.dtype)
+        return layer.weight
+
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits from post-norm hidden states."""
         if self.args.tie_word_embeddings:

@@ -18,7 +18,14 @@ from bench.torch_ref.drafter import random_torch_drafter  # noqa: E402
 from convert import from_torch, to_torch  # noqa: E402
 from mlx_redrafter.beam_search import beam_search  # noqa: E402
 from mlx_redrafter.cache import KVCache  # noqa: E402
-from mlx_redrafter.drafter import Drafter, DrafterArgs, load_drafter, random_drafter, save_drafter  # noqa: E402
+from mlx_redrafter.drafter import (  # noqa: E402
+    Drafter,
+    DrafterArgs,
+    load_drafter,
+    quantize_drafter,
+    random_drafter,
+    save_drafter,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 H, V = 576, 49152
@@ -229,9 +236,85 @@ def test_mismatched_vocab_against_model(tmp_path, capsys):
     assert "vocab_size 1000" in err and "49152" in err
 
 
-def test_quantize_not_supported_yet(tmp_path, capsys, tdrafter):
+def test_quantize(tmp_path, capsys, tdrafter):
+    """--quantize 4|8 writes a quantized drafter equal to quantizing the float conversion; bad settings fail."""
+    src = _write_safetensors(tmp_path, state(tdrafter), apple_config(tdrafter))
+    rc, _, err = convert(capsys, src, "--out", tmp_path / "float")
+    assert rc == 0, err
+    h, s = mx.random.normal((3, H), key=mx.random.key(0)), mx.random.normal((3, H), key=mx.random.key(1))
+    for bits in (4, 8):
+        out = tmp_path / f"q{bits}"
+        rc, stdout, err = convert(capsys, src, "--out", out, "--quantize", bits)
+        assert rc == 0, err
+        assert f"quantized to {bits} bits (group size 64)" in stdout
+        assert json.loads((out / "config.json").read_text())["quantization"] == {"bits": bits, "group_size": 64}
+        q = load_drafter(out)
+        assert q.args.quantization == {"bits": bits, "group_size": 64}
+        ref = quantize_drafter(load_drafter(tmp_path / "float"), bits, 64)
+        assert np.array_equal(np.array(q.logits(h, s)), np.array(ref.logits(h, s)))
+        assert q.num_params() == ref.num_params() == load_drafter(tmp_path / "float").num_params()
+    out = tmp_path / "bad"
+    for args, needle in [(["--quantize", "3"], "bits = 3"), (["--quantize", "4", "--group-size", "48"], "group size"),
+                         (["--quantize", "8", "--group-size", "128"], "exit_dim 192")]:
+        rc, _, err = convert(capsys, src, "--out", out, *args)
+        assert_one_line_error(rc, err, out)
+        assert needle in err, err
+    rc, _, err = convert(capsys, tmp_path / "q4", "--out", out)  # our quantized output is not a torch checkpoint
+    assert_one_line_error(rc, err, out)
+    assert "quantized MLX drafter" in err
+
+
+def test_existing_output_needs_force(tmp_path, capsys, tdrafter):
     src = _write_safetensors(tmp_path, state(tdrafter))
     out = tmp_path / "out"
-    rc, _, err = convert(capsys, src, "--out", out, "--quantize", "4")
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, _, err = convert(capsys, src, "--out", out)
+    assert rc == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "--force" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    rc, _, err = convert(capsys, src, "--out", out, "--force", "--quantize", "8")
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert load_drafter(out).args.quantization == {"bits": 8, "group_size": 64}
+
+
+def test_to_torch_refuses_quantized_unless_dequantize(tmp_path, capsys):
+    d = quantize_drafter(random_drafter(H, 4096, seed=5, exit_dim=128), 4, 64)
+    src = save_drafter(d, tmp_path / "q4")
+    out = tmp_path / "apple"
+    rc = to_torch.main([str(src), "--out", str(out)])
+    err = capsys.readouterr().err
     assert_one_line_error(rc, err, out)
-    assert "not supported yet" in err
+    assert "--dequantize" in err and "4 bits" in err
+    assert to_torch.main([str(src), "--out", str(out), "--dequantize"]) == 0
+    assert "dequantized from 4 bits" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization" not in cfg
+    assert all(v.dtype == mx.float32 for v in mx.load(str(out / "model.safetensors")).values())
+    rc, _, err = convert(capsys, out, "--out", tmp_path / "back")  # and back: a float drafter, same function
+    assert rc == 0, err
+    back = load_drafter(tmp_path / "back")
+    h, s = mx.random.normal((2, H), key=mx.random.key(2)), mx.random.normal((2, H), key=mx.random.key(3))
+    assert back.args.quantization is None
+    assert np.allclose(np.array(back.logits(h, s)), np.array(d.logits(h, s)), atol=1e-4)
+
+
+@pytest.mark.parametrize("module,args,needle", [
+    ("from_torch", [], "Missing argument"),
+    ("from_torch", ["x", "--bogus"], "No such option"),
+    ("from_torch", ["x", "--quantize", "four"], "--quantize"),
+    ("from_torch", ["x", "--dtype", "float64"], "float64"),
+    ("to_torch", ["x"], "Missing option '--out'"),
+    ("to_torch", ["x", "--out", "y", "--dtype", "int8"], "int8"),
+])
+def test_usage_errors_are_one_line(tmp_path, capsys, module, args, needle):
+    rc = {"from_torch": from_torch, "to_torch": to_torch}[module].main(args)
+    err = capsys.readouterr().err
+    assert_one_line_error(rc, err, tmp_path / "never")
+    assert rc == 2 and needle in err, err
+
+
+def test_help_runs_as_a_module():
+    for module in ("convert.from_torch", "convert.to_torch"):
+        r = run_cli(module, "--help")
+        assert r.returncode == 0 and "--out" in r.stdout and "--force" in r.stdout, r.stderr

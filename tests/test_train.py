@@ -1,107 +1,141 @@
-"""Drafter training: distillation data cache, a tiny real training run, and bad inputs (real model, no mocks)."""
+"""The drafter data engine and training: corpus growth, resume, corrupt shards, features, a tiny real run."""
+
+import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mlx_redrafter.cli import app
-from mlx_redrafter.distill import generate_batch, generate_dataset, load_shard, read_prompts, shard_path
+from mlx_redrafter.cmd.main import app
 from mlx_redrafter.drafter import load_drafter, random_drafter, save_drafter
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.train import TrainConfig, train_drafter
+from mlx_redrafter.train.corpus import Corpus, Settings, build, generate_greedy, load_shard
+from mlx_redrafter.train.features import feature_path, teacher_forced
+from mlx_redrafter.train.loop import TrainConfig, train_drafter
+from mlx_redrafter.train.pipeline import prepare
 
-PROMPTS = ["What is the capital of France?", "Name three colors.", "Say hello.", "Count to five."]
+PROMPTS = ["What is the capital of France?", "Name three colors.", "Say hello.", "Count to five.",
+           "Tell me a fun fact.", "Name a fruit."]
+SETTINGS = Settings(max_new_tokens=16, shard_size=2, batch_size=2, heldout=2, turn2_every=2)
 
 
-def test_batched_generation_matches_single(target):
-    """Left-padded batched greedy generation gives the same tokens as one prompt alone, and hidden states
-    for every position but the last."""
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p, "source": "oasst"}) + "\n" for p in PROMPTS))
+    return f
+
+
+@pytest.fixture(scope="module")
+def corpus_dirs(target, prompts_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    build(target, prompts_file, root / "c", SETTINGS, features_dir=root / "f", progress=False, log=lambda m: None)
+    return root / "c", root / "f"
+
+
+def test_batched_generation_matches_one_prompt_alone(target):
     tok = target.tokenizer
-    ids = [tok.encode(tok.chat_prompt([{"role": "user", "content": p}])) for p in PROMPTS[:2]]
-    batch = generate_batch(target.model, ids, 6, tok.eos_ids)
-    for p, (seq, hid) in zip(ids, batch):
-        (alone, _), = generate_batch(target.model, [p], 6, tok.eos_ids)
-        assert seq == alone
-        assert seq[: len(p)] == p
-        assert hid.shape == (len(seq) - 1, target.model.args.hidden_size) and hid.dtype == np.float16
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    batch, hid = generate_greedy(target.model, ids, 8, tok.eos_ids, capture=True)
+    for p, out, h in zip(ids, batch, hid):
+        (alone,), _ = generate_greedy(target.model, [p], 8, tok.eos_ids)
+        assert out == alone
+        assert h.shape == (len(out), target.model.args.hidden_size) and h.dtype == np.float16
 
 
-def test_cache_resumes(target, tmp_path):
-    cache = tmp_path / "cache"
-    first = generate_dataset(target, PROMPTS[:2], cache, shard_size=2, batch_size=2, max_new_tokens=4,
-                             progress=False)
-    assert len(first) == 1
-    stamp = first[0].stat().st_mtime_ns
-    (first[0].parent / "shard-00001.npz.tmp").write_bytes(b"interrupted write")  # a half-written shard
-    both = generate_dataset(target, PROMPTS, cache, shard_size=2, batch_size=2, max_new_tokens=4, progress=False)
-    assert both[0] == first[0] and both[0].stat().st_mtime_ns == stamp  # reused, not regenerated
-    assert both[1] == shard_path(cache / target.name, 1)
-    sh = load_shard(both[1])
-    assert sh.num_sequences == 2 and len(sh.hidden) == len(sh.tokens) - 2
+def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target, prompts_file, tmp_path):
+    root, messages = tmp_path / "c", []
+    first = build(target, prompts_file, root, SETTINGS, max_shards=2, progress=False, log=messages.append)
+    assert sorted(first.entries) == ["shard-00000.npz", "shard-00001.npz"]
+    stamp = (root / "shard-00000.npz").stat().st_mtime_ns
+    (root / ".shard-00002.npz.tmp").write_bytes(b"an interrupted write")  # what a kill leaves behind at worst
+    (root / "shard-00001.npz").write_bytes(b"junk")  # a corrupt shard
+    done = build(target, prompts_file, root, SETTINGS, progress=False, log=messages.append)
+    assert (root / "shard-00000.npz").stat().st_mtime_ns == stamp  # kept, not regenerated
+    assert any("shard-00001.npz is corrupt" in m and "regenerating" in m for m in messages)
+    assert done.check("shard-00001.npz") is None
+    stats = done.stats()
+    assert stats["prompts"] == len(PROMPTS) and stats["response_tokens"] > 0
+    turn2 = [n for n, e in done.entries.items() if e["turn"] == 2]
+    assert turn2, "multi-turn continuations are part of the plan"
+    # a shard damaged after the fact is a one-line error for training, never silently skipped
+    (root / "shard-00002.npz").write_bytes(b"junk")
+    with pytest.raises(UserError, match="corrupt.*make distill"):
+        Corpus(root).shards()
 
 
-def test_tiny_training_run(target, tmp_path):
-    shards = generate_dataset(target, PROMPTS, tmp_path / "cache", shard_size=4, batch_size=4, max_new_tokens=12,
-                              progress=False)
-    cfg = TrainConfig(steps=30, batch_size=32, draft_vocab_size=512, num_draft_layers=1, warmup=3, eval_every=10,
-                      checkpoint_every=15, lr=3e-3, val_fraction=0.25)
-    drafter, summary = train_drafter(target, shards, tmp_path / "run", cfg, log=lambda m: None)
+def test_turn2_sequences_continue_the_first_answer(target, corpus_dirs):
+    root, _ = corpus_dirs
+    c = Corpus(root)
+    for name, e in c.entries.items():
+        if e["turn"] != 2 or not e["sequences"]:
+            continue
+        sh = load_shard(root / name)
+        text = target.tokenizer.decode(sh.sequence(0).tolist())
+        assert text.count("<|im_start|>user") == 2 and text.count("<|im_start|>assistant") == 2
+
+
+def test_captured_features_equal_a_teacher_forced_pass(target, corpus_dirs):
+    root, feats = corpus_dirs
+    c = Corpus(root)
+    for name in sorted(c.entries)[:2]:
+        sh = load_shard(root / name)
+        captured = np.load(feature_path(feats, name, c.entries[name]["sha256"])).astype(np.float32)
+        forced = teacher_forced(target.model, sh, target.tokenizer.eos_ids[0]).astype(np.float32)
+        assert captured.shape == forced.shape
+        scale = np.abs(forced).max(axis=1, keepdims=True)
+        assert (np.abs(captured - forced) <= 2e-3 * scale + 1e-3).all()  # float16 storage, batched vs single
+
+
+def test_tiny_training_run_learns_and_resumes(target, corpus_dirs, tmp_path):
+    root, feats = corpus_dirs
+    (tmp_path / "f").symlink_to(feats, target_is_directory=True)
+    tr, ho, used = prepare(target, root, tmp_path / "f", log=lambda m: None)
+    assert used["train_shards"] >= 1 and len(tr) > 0 and len(ho) > 0
+    cfg = TrainConfig(steps=24, batch_size=32, draft_vocab_size=512, num_draft_layers=1, warmup=3, eval_every=12,
+                      checkpoint_every=12, lr=3e-3)
+    drafter, summary = train_drafter(target, tr, ho, tmp_path / "run", cfg, progress=False, log=lambda m: None)
     hist = summary["history"]
     assert hist[-1]["train_loss"] < hist[0]["train_loss"]
     assert len(hist[-1]["acc"]) == cfg.draft_len
     loaded = load_drafter(tmp_path / "run" / "checkpoint")
-    assert loaded.args.draft_vocab_size == 512 and loaded.args.hidden_size == target.model.args.hidden_size
-    assert mx.array_equal(loaded.draft_vocab, drafter.draft_vocab)
-    # resuming a finished run does no more steps and keeps the weights
-    again, s2 = train_drafter(target, shards, tmp_path / "run", cfg, log=lambda m: None)
-    assert mx.allclose(again.lm_head[-1].weight, drafter.lm_head[-1].weight)
+    assert loaded.args.draft_vocab_size == 512 and mx.array_equal(loaded.draft_vocab, drafter.draft_vocab)
+    again, _ = train_drafter(target, tr, ho, tmp_path / "run", cfg, progress=False, log=lambda m: None)
+    assert mx.allclose(again.lm_head[-1].weight, drafter.lm_head[-1].weight)  # a finished run does no more steps
+    soft = TrainConfig(**{**cfg.__dict__, "labels": "soft", "steps": 4, "eval_every": 4, "checkpoint_every": 4})
+    _, s = train_drafter(target, tr, ho, tmp_path / "soft", soft, progress=False, log=lambda m: None)
+    assert np.isfinite(s["history"][-1]["train_loss"])
 
 
-def test_bad_prompt_files(tmp_path):
-    with pytest.raises(UserError, match="does not exist"):
-        read_prompts(tmp_path / "missing.jsonl")
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(UserError, match="no prompts"):
-        read_prompts(empty)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "no prompt key"}\n')
-    with pytest.raises(UserError, match="prompt"):
-        read_prompts(bad)
-
-
-def test_checkpoint_for_another_model(target, tmp_path):
-    shards = generate_dataset(target, PROMPTS[:2], tmp_path / "cache", shard_size=2, batch_size=2, max_new_tokens=4,
-                              progress=False)
+def test_checkpoint_for_another_model_is_a_one_line_error(target, corpus_dirs, tmp_path):
+    root, feats = corpus_dirs
+    tr, ho, _ = prepare(target, root, feats, log=lambda m: None)
     save_drafter(random_drafter(64, 100, seed=0), tmp_path / "run" / "checkpoint")
+    (tmp_path / "run" / "checkpoint" / "trainer_state.json").write_text('{"step": 1}')
     with pytest.raises(UserError) as e:
-        train_drafter(target, shards, tmp_path / "run", TrainConfig(steps=1), log=lambda m: None)
+        train_drafter(target, tr, ho, tmp_path / "run", TrainConfig(steps=2), progress=False, log=lambda m: None)
     assert "hidden_size" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_cli_errors(tmp_path):
     runner = CliRunner()
-    res = runner.invoke(app, ["train", "--prompts", str(tmp_path / "missing.jsonl")])
-    assert res.exit_code != 0 and "error: prompts file" in res.output
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    res = runner.invoke(app, ["train", "--prompts", str(empty)])
-    assert res.exit_code != 0 and "error:" in res.output and "no prompts" in res.output
+    res = runner.invoke(app, ["train", "--corpus", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "error: no corpus" in res.output
+    res = runner.invoke(app, ["distill", "--prompts", str(tmp_path / "missing.jsonl"), "--nice", "0"])
+    assert res.exit_code == 2 and "error: prompts file" in res.output
     other = tmp_path / "other"
     save_drafter(random_drafter(64, 100, seed=0), other)
     res = runner.invoke(app, ["eval-drafter", "--drafter", str(other), "--num-prompts", "1", "--widths", "1",
                               "--lengths", "2"])
-    assert res.exit_code != 0 and "error:" in res.output and "hidden_size" in res.output
+    assert res.exit_code == 2 and "hidden_size" in res.output
     res = runner.invoke(app, ["eval-drafter", "--widths", "x"])
-    assert res.exit_code != 0 and "error: --widths" in res.output
+    assert res.exit_code == 2 and "error: --widths" in res.output
 
 
-def test_train_help_explains_steps():
+def test_train_help_explains_the_steps():
     res = CliRunner().invoke(app, ["train", "--help"])
-    assert res.exit_code == 0
-    assert "generate" in res.output and "save" in res.output
-
+    assert res.exit_code == 0 and "features" in res.output and "save" in res.output
 
 
 def test_shipped_drafter_loads(target):

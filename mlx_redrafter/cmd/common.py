@@ -10,9 +10,11 @@ import typer
 
 from ..errors import UserError
 
-MODEL_HELP = "Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded SmolLM2-135M)."
+MODEL_HELP = ("Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded "
+              "SmolLM2-135M).")
 DRAFTER_HELP = "Drafter: 'default' (shipped for the model), 'none', a directory, or random:SEED[:EXIT_DIM]."
-DTYPE_HELP = "float32 | float16 | bfloat16 | quantized | auto (auto = float32 on a CPU backend, quantized/float16 on GPU)."
+DTYPE_HELP = ("float32 | float16 | bfloat16 | quantized | auto (auto = float32 on a CPU backend, quantized/float16 "
+              "on GPU).")
 
 
 def fail(msg: str) -> None:
@@ -50,7 +52,8 @@ Draft = typer.Option(None, "--draft", help="Drafting: auto (rnn+lookup with a dr
                                            "rnn+lookup, none [tuned, else auto].")
 NoDraft = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (= --draft none).")
 BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the recurrent drafter [tuned, else 1].")
-BeamLength = typer.Option(None, "--beam-length", "-l", help="L: candidate length incl. the first token [tuned, else 3].")
+BeamLength = typer.Option(None, "--beam-length", "-l",
+                          help="L: candidate length incl. the first token [tuned, else 3].")
 LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context [tuned, else 1].")
 Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup) or suffix (suffix automaton).")
 Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")

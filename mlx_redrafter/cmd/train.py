@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from ..train.evaluate import format_eval
+from ..train.loop import TrainConfig
 from . import common as c
 
 DEFAULT_CORPUS = Path("data/corpus")
@@ -47,11 +49,78 @@ def distill(
 
 
 @c.one_line_errors
-def train() -> None:
-    """Train a drafter on the distillation corpus (being rebuilt)."""
-    from ..errors import UserError
+def train(
+    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (CORPUS/<model>/ from `distill`)."),
+    features: Path = typer.Option(DEFAULT_FEATURES, help="Derived-data cache (hidden states; rebuilt on demand)."),
+    model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Where the drafter is written [the package's "
+                                       "drafters/<model> folder: the shipped drafter]."),
+    run_dir: Path = typer.Option(Path("runs/drafter"), help="Checkpoints and history (resumable)."),
+    corpus_tokens: int | None = typer.Option(None, help="Train on the corpus' first N response tokens only."),
+    steps: int = typer.Option(TrainConfig.steps, help="Optimizer steps."),
+    batch: int = typer.Option(TrainConfig.batch_size, help="Context positions per step."),
+    lr: float = typer.Option(TrainConfig.lr, help="Peak learning rate (warmup + cosine)."),
+    exit_dim: int = typer.Option(TrainConfig.exit_dim, help="Drafter width E."),
+    layers: int = typer.Option(TrainConfig.num_draft_layers, help="ResBlocks."),
+    draft_vocab: int = typer.Option(TrainConfig.draft_vocab_size, help="Head size K: the K most frequent tokens."),
+    draft_len: int = typer.Option(TrainConfig.draft_len, help="T: draft steps trained per position."),
+    labels: str = typer.Option(TrainConfig.labels, help="hard (the corpus' greedy tokens) or soft (the target's "
+                               "distribution within the head)."),
+    dropout: float = typer.Option(TrainConfig.input_dropout, help="Training-only dropout on the drafter's inputs."),
+    weight_decay: float = typer.Option(TrainConfig.weight_decay, help="AdamW weight decay."),
+    seed: int = typer.Option(TrainConfig.seed, help="Random seed."),
+    resume: bool = typer.Option(True, "--resume/--restart", help="Continue from RUN_DIR/checkpoint."),
+    float16: bool = typer.Option(True, "--float16/--float32", help="Storage dtype of the saved weights."),
+    eval_prompts: int = typer.Option(0, help="Also measure tokens per target call on this many held-out prompts."),
+) -> None:
+    """Train a drafter on the distillation corpus, in three steps.
 
-    raise UserError("train is being rebuilt")
+    1. features: the target's hidden state at every context position of the chosen shards (kept from
+       `distill` when present, else a teacher-forced float32 pass; cached in --features).
+    2. train: the drafter learns to predict T tokens ahead (AdamW, warmup + cosine; checkpoints in --run-dir).
+    3. save: config.json + model.safetensors + MODEL_CARD.md to --output.
+    """
+    import time
+
+    from ..loader import load_target
+    from ..train.loop import train_drafter
+    from ..train.pipeline import model_card, prepare, save_shipped
+
+    cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
+                      labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
+                      weight_decay=weight_decay, seed=seed)
+    target = load_target(model, "float32")
+    t0 = time.perf_counter()
+    typer.echo("step 1/3: features", err=True)
+    tr, ho, used = prepare(target, corpus / target.name, features / target.name, corpus_tokens,
+                           log=lambda m: typer.echo(m, err=True))
+    t1 = time.perf_counter()
+    typer.echo(f"step 2/3: training ({steps} steps) -> {run_dir}", err=True)
+    drafter, summary = train_drafter(target, tr, ho, run_dir, cfg, resume=resume, log=lambda m: typer.echo(m, err=True))
+    timings = {"features_s": round(t1 - t0), "train_s": round(time.perf_counter() - t1)}
+    extra = ""
+    if eval_prompts:
+        from ..train.evaluate import heldout_prompt_ids, run_eval
+
+        save_shipped(drafter, run_dir / "final", "", float16=float16)
+        res = run_eval(str(run_dir / "final"), model, [1, 4], [3, 5],
+                       heldout_prompt_ids(corpus / target.name, eval_prompts), 128, "the corpus' held-out shard",
+                       log=None)
+        extra = "\n" + format_eval(res) + "\n"
+        typer.echo(format_eval(res), err=True)
+    out = output or _shipped_dir(target.name)
+    summary.update(used=used, timings=timings)
+    from ..files import write_atomic
+
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1))
+    save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
+    typer.echo(f"step 3/3: saved {out}", err=True)
+
+
+def _shipped_dir(model_name: str) -> Path:
+    from ..api import SHIPPED_DRAFTERS
+
+    return SHIPPED_DRAFTERS / model_name
 
 
 @c.one_line_errors
@@ -60,14 +129,26 @@ def eval_drafter(
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     widths: str = typer.Option("1,2,4", help="Beam widths W, comma-separated."),
     lengths: str = typer.Option("2,3,4,5", help="Beam lengths L (first token + drafts), comma-separated."),
-    num_prompts: int = typer.Option(80, help="Prompts to use (from the start of the file)."),
+    num_prompts: int = typer.Option(80, help="Prompts to use."),
     max_tokens: int = typer.Option(128, help="New tokens per prompt (greedy)."),
     prompts: Path | None = typer.Option(None, help="Prompts JSONL [MT-bench first turns shipped in the package]."),
+    heldout: bool = typer.Option(False, "--heldout", help="Use the corpus' held-out prompts instead."),
+    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (for --heldout)."),
+    draft: str = typer.Option("rnn", help="Drafting to measure: rnn, lookup or rnn+lookup."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
-    """Acceptance of a drafter: tokens per target call and accepted-length histogram per W x L (greedy, fp32)."""
-    from ..train.evaluate import format_eval, run_eval
+    """Acceptance of a drafter on prompts it never saw: tokens per target call, per-position acceptance and the
+    accepted-length histogram per W x L (greedy, fp32)."""
+    from ..loader import resolve_model
+    from ..prompts import first_turns
+    from ..train.evaluate import heldout_prompt_ids, run_eval
 
-    res = run_eval(drafter, model, c.int_list(widths, "--widths"), c.int_list(lengths, "--lengths"), num_prompts,
-                   max_tokens, prompts)
+    if heldout:
+        ids = heldout_prompt_ids(corpus / resolve_model(model)[0], num_prompts)
+        texts, source = ids, "the corpus' held-out shard"
+    else:
+        texts = [r["prompt"] for r in first_turns(prompts, num_prompts)]
+        source = str(prompts) if prompts else "MT-bench first turns"
+    res = run_eval(drafter, model, c.int_list(widths, "--widths"), c.int_list(lengths, "--lengths"), texts,
+                   max_tokens, source, draft=draft)
     typer.echo(json.dumps(res) if as_json else format_eval(res))

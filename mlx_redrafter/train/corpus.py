@@ -427,7 +427,8 @@ def build(target: Target, prompts_file: str | Path, root: str | Path, settings: 
                     el = time.perf_counter() - t_run
                     bar.set_postfix_str(f"{job.name} {made_tokens / el:.0f} tok/s, {made_tokens} new tokens")
             seqs = [prompts[i] + responses[i] for i in range(len(prompts))]
-            data = shard_bytes(seqs, [len(p) for p in prompts], index, job.turn, job.split, target.model.args.vocab_size)
+            data = shard_bytes(seqs, [len(p) for p in prompts], index, job.turn, job.split,
+                               target.model.args.vocab_size)
             if features_dir is not None:  # derived data, local: the hidden states generation computed anyway
                 from .features import feature_path, save_features
 

@@ -10,17 +10,33 @@ from pathlib import Path
 from ..errors import UserError
 
 
-def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: list[int], num_prompts: int,
-             max_tokens: int, prompts: Path | None = None, draft: str = "rnn", log=print) -> dict:
-    """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates."""
-    from .. import api
-    from ..prompts import first_turns
+def heldout_prompt_ids(corpus_root: str | Path, num: int, seed: int = 0) -> list[list[int]]:
+    """Chat-formatted prompt ids of `num` first-turn prompts of the corpus' held-out shard (never trained on)."""
+    import numpy as np
 
-    rows = first_turns(prompts, num_prompts)
+    from .corpus import Corpus, load_shard
+
+    corpus = Corpus(corpus_root)
+    names = [n for n, e in sorted(corpus.entries.items()) if e["split"] == "heldout"]
+    if not names:
+        raise UserError(f"corpus {corpus.root} has no held-out shard: run `make distill` first")
+    sh = load_shard(corpus.root / names[0])
+    rows = [i for i in range(sh.num_sequences) if sh.turn[i] == 1]
+    pick = np.random.default_rng(seed).permutation(len(rows))[:num]
+    return [sh.sequence(rows[i])[: sh.prompt_len[rows[i]]].tolist() for i in sorted(pick)]
+
+
+def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: list[int],
+             prompts: list[str] | list[list[int]], max_tokens: int, source: str, draft: str = "rnn",
+             log=print) -> dict:
+    """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates.
+    `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report."""
+    from .. import api
+
     runner = api.load(model, drafter_spec, "float32")
     if "rnn" in draft and runner.drafter is None:
         raise UserError(f"no drafter for {runner.target.name}: pass --drafter DIR")
-    ids = [api.encode_prompt(runner, r["prompt"]) for r in rows]
+    ids = [api.encode_prompt(runner, p) for p in prompts]
     results = []
     for w in widths:
         for length in lengths:
@@ -50,7 +66,7 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
             if log:
                 log(str(rec))
     return {"model": runner.target.name, "drafter": runner.drafter_name, "draft": draft, "prompts": len(ids),
-            "prompts_file": str(prompts or "MT-bench (packaged)"), "max_tokens": max_tokens, "results": results}
+            "prompts_source": source, "max_tokens": max_tokens, "results": results}
 
 
 def format_eval(res: dict) -> str:
@@ -59,7 +75,7 @@ def format_eval(res: dict) -> str:
     Ws = sorted({r["W"] for r in res["results"]})
     cell = {(r["W"], r["L"]): r["tokens_per_step"] for r in res["results"]}
     lines = [f"tokens per target call, {res['model']} + {res['drafter']} ({res['draft']}), {res['prompts']} prompts "
-             f"of {res['prompts_file']}, greedy, {res['max_tokens']} new tokens", "",
+             f"of {res['prompts_source']}, greedy, {res['max_tokens']} new tokens", "",
              "| W \\ L | " + " | ".join(str(L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
     for w in Ws:
         lines.append(f"| {w} | " + " | ".join(f"{cell[(w, L)]:.2f}" if (w, L) in cell else "" for L in Ls) + " |")

@@ -1,0 +1,210 @@
+"""The drafter training loop: AdamW, warmup + cosine, resumable checkpoints, held-out evaluation."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..drafter import Drafter, DrafterArgs, check_compatible, load_drafter, save_drafter
+from ..errors import UserError
+from ..loader import Target
+from .data import Batch, Examples, draft_vocabulary, make_batch
+from .loss import hard_loss, soft_loss, teacher_forced_logits
+
+
+@dataclass
+class TrainConfig:
+    """Drafter shape and optimisation settings (the defaults are the shipped recipe)."""
+
+    exit_dim: int = 576
+    num_draft_layers: int = 2
+    draft_vocab_size: int = 8192
+    draft_len: int = 5  # T: draft steps trained per context position
+    labels: str = "hard"  # hard: the corpus' greedy tokens; soft: the target's distribution (within the head)
+    steps: int = 3000
+    batch_size: int = 256  # context positions per step (x T predictions)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    input_dropout: float = 0.0  # training-only dropout on h and the token embeddings
+    init_from_target: bool = True  # head = the target's (tied) output rows, input_proj = [I 0]
+    eval_every: int = 500
+    checkpoint_every: int = 500
+    seed: int = 0
+
+
+def lr_schedule(cfg: TrainConfig) -> Callable:
+    """Linear warmup then cosine decay to min_lr_ratio * lr."""
+    warm = optim.linear_schedule(cfg.lr * 0.01, cfg.lr, max(cfg.warmup, 1))
+    cos = optim.cosine_decay(cfg.lr, max(cfg.steps - cfg.warmup, 1), end=cfg.lr * cfg.min_lr_ratio)
+    return optim.join_schedules([warm, cos], [max(cfg.warmup, 1)])
+
+
+def new_drafter(target: Target, cfg: TrainConfig, draft_vocab: np.ndarray) -> Drafter:
+    """A fresh drafter for `target`; with init_from_target its head starts as the target's own output rows."""
+    margs = target.model.args
+    H, V = margs.hidden_size, margs.vocab_size
+    mx.random.seed(cfg.seed)
+    args = DrafterArgs(vocab_size=V, hidden_size=H, exit_dim=cfg.exit_dim, num_draft_layers=cfg.num_draft_layers,
+                       rnn=True, draft_vocab_size=len(draft_vocab))
+    d = Drafter(args)
+    d.draft_vocab = mx.array(draft_vocab, dtype=mx.int32)
+    if cfg.init_from_target and cfg.exit_dim == H:
+        d.input_proj.weight = mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1)
+        d.input_proj.bias = mx.zeros((H,))
+        for blk in d.lm_head[:-1]:
+            blk.linear.weight = mx.zeros_like(blk.linear.weight)
+            blk.linear.bias = mx.zeros_like(blk.linear.bias)
+        d.lm_head[-1].weight = target.model.output_weight()[d.draft_vocab].astype(mx.float32)
+    d.set_dtype(mx.float32)
+    d.draft_vocab = d.draft_vocab.astype(mx.int32)
+    mx.eval(d.parameters())
+    return d
+
+
+def head_lut(drafter: Drafter, vocab_size: int) -> np.ndarray:
+    """token id -> head index (-1 for tokens the head cannot draft)."""
+    lut = np.full(vocab_size, -1, dtype=np.int32)
+    ids = np.array(drafter.draft_vocab) if drafter.args.draft_vocab_size else np.arange(vocab_size)
+    lut[ids] = np.arange(len(ids), dtype=np.int32)
+    return lut
+
+
+def evaluate(drafter: Drafter, embed: Callable, ex: Examples, lut: np.ndarray, T: int, n: int = 4096,
+             batch: int = 512, seed: int = 1) -> dict:
+    """Held-out loss and per-step top-1 accuracy (teacher forced; tokens outside the head count wrong)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(ex), size=min(n, len(ex)), replace=False)
+    correct, count = np.zeros(T), np.zeros(T)
+    loss_sum = wsum = 0.0
+    for b0 in range(0, len(idx), batch):
+        b = make_batch(ex, idx[b0 : b0 + batch], T, lut)
+        logits = teacher_forced_logits(drafter, b.h, embed(b.x_in))
+        ce = nn.losses.cross_entropy(logits, b.target, reduction="none")
+        hit = (mx.argmax(logits, axis=-1) == b.target).astype(mx.float32) * b.weight
+        mx.eval(ce, hit)
+        loss_sum += float((ce * b.weight).sum())
+        wsum += float(b.weight.sum())
+        correct += np.array(hit.sum(axis=0))
+        count += np.array(b.valid.sum(axis=0))
+    acc = correct / np.maximum(count, 1)
+    return {"val_loss": round(loss_sum / max(wsum, 1.0), 4), "acc": [round(float(a), 4) for a in acc]}
+
+
+def _save_checkpoint(ckpt: Path, drafter: Drafter, opt: optim.Optimizer, step: int, cfg: TrainConfig,
+                     history: list) -> None:
+    save_drafter(drafter, ckpt, extra_files={
+        "trainer_state.json": json.dumps({"step": step, "config": asdict(cfg), "history": history}, indent=1),
+    })
+    mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+
+
+def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: str | Path,
+                  cfg: TrainConfig | None = None, *, resume: bool = True, progress: bool = True,
+                  log: Callable[[str], None] = print) -> tuple[Drafter, dict]:
+    """Train (or resume) a drafter; checkpoints in run_dir/checkpoint. Returns the drafter and a summary."""
+    cfg = cfg or TrainConfig()
+    if cfg.labels not in ("hard", "soft"):
+        raise UserError(f"labels must be 'hard' or 'soft' (got {cfg.labels!r})")
+    if len(train) == 0:
+        raise UserError("the corpus has no context positions to train on")
+    run_dir = Path(run_dir)
+    ckpt = run_dir / "checkpoint"
+    margs = target.model.args
+    T = cfg.draft_len
+    opt = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
+    start, history = 0, []
+    if resume and (ckpt / "trainer_state.json").exists():
+        drafter = load_drafter(ckpt)
+        check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, str(ckpt))
+        st = json.loads((ckpt / "trainer_state.json").read_text())
+        start, history = int(st["step"]), st.get("history", [])
+        opt.init(drafter.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+        log(f"resumed from {ckpt} at step {start}")
+    else:
+        vocab = draft_vocabulary(train, cfg.draft_vocab_size, margs.vocab_size, target.tokenizer.eos_ids)
+        drafter = new_drafter(target, cfg, vocab)
+    if drafter.args.draft_vocab_size:
+        drafter.freeze(keys=["draft_vocab"])
+    lut = head_lut(drafter, margs.vocab_size)
+    coverage = float((lut[train.tokens] >= 0).mean())
+    log(f"data: {train.sequences} train / {heldout.sequences} held-out sequences, {len(train)} context positions; "
+        f"head K={drafter.args.draft_vocab_size or margs.vocab_size} covers {coverage:.1%} of tokens; "
+        f"drafter {drafter.num_params() / 1e6:.2f}M params")
+    def embed(x: mx.array) -> mx.array:
+        return target.model.embed(x).astype(mx.float32)
+
+    head_rows = None
+    if cfg.labels == "soft":
+        head_rows = target.model.output_weight()[drafter.draft_vocab].astype(mx.float32)
+        mx.eval(head_rows)
+
+    soft = cfg.labels == "soft"
+
+    def loss_fn(model: Drafter, h, emb_in, target_ids, weight, valid, h_next) -> mx.array:
+        logits = teacher_forced_logits(model, h, emb_in)
+        b = Batch(h, emb_in, target_ids, weight, valid, h_next)
+        return soft_loss(logits, b, head_rows) if soft else hard_loss(logits, b)
+
+    loss_and_grad = nn.value_and_grad(drafter, loss_fn)
+    state = [drafter.state, opt.state, mx.random.state]
+    keep = 1.0 - cfg.input_dropout
+
+    def dropout(x: mx.array) -> mx.array:
+        return x * mx.random.bernoulli(keep, x.shape) / keep if cfg.input_dropout > 0 else x
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step_fn(h, x_in, target_ids, weight, valid, h_next):
+        loss, grads = loss_and_grad(drafter, dropout(h), dropout(embed(x_in)), target_ids, weight, valid, h_next)
+        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(drafter, grads)
+        return loss, norm
+
+    rng = np.random.default_rng(cfg.seed + start)
+    t0 = time.perf_counter()
+    losses: list[float] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+    for step in range(start, cfg.steps):
+        idx = rng.integers(0, len(train), size=cfg.batch_size)
+        b = make_batch(train, idx, T, lut, soft=soft)
+        loss, _ = step_fn(b.h, b.x_in, b.target, b.weight, b.valid, b.h_next if soft else mx.zeros((1,)))
+        mx.eval(loss, state)
+        losses.append(loss.item())
+        done = step + 1
+        if bar is not None:
+            bar.update(1)
+            if done % 10 == 0:
+                bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            rec = {"step": done, "train_loss": round(float(np.mean(losses[-cfg.eval_every:])), 4),
+                   "positions_seen": done * cfg.batch_size, "elapsed_s": round(time.perf_counter() - t0, 1),
+                   **evaluate(drafter, embed, heldout, lut, T)}
+            history.append(rec)
+            log(json.dumps(rec))
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            _save_checkpoint(ckpt, drafter, opt, done, cfg, history)
+    if bar is not None:
+        bar.close()
+    summary = {"config": asdict(cfg), "train_time_s": round(time.perf_counter() - t0, 1),
+               "train_sequences": train.sequences, "train_contexts": len(train),
+               "heldout_sequences": heldout.sequences, "head_coverage": round(coverage, 4),
+               "params": drafter.num_params(), "history": history,
+               "final": history[-1] if history else evaluate(drafter, embed, heldout, lut, T)}
+    return drafter, summary

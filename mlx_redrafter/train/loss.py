@@ -1,0 +1,41 @@
+"""Training losses of a drafter: teacher-forced logits for T draft steps, hard or soft (distilled) labels."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .data import Batch
+
+
+def teacher_forced_logits(drafter, h: mx.array, emb_in: mx.array) -> mx.array:
+    """Head logits (B, T, K) for contexts h (B, H) and input embeddings (B, T, H).
+
+    The recurrent drafter unrolls its RNN exactly as beam search does at inference (state 0, then one update
+    per consumed token); drafters with their own `teacher_forced_logits` method (e.g. Medusa, semi-AR) use it.
+    """
+    own = getattr(drafter, "teacher_forced_logits", None)
+    if own is not None:
+        return own(h, emb_in)
+    B, T, H = emb_in.shape
+    s = mx.zeros((B, H), dtype=h.dtype)
+    states = []
+    for j in range(T):
+        s = drafter.next_state(s, emb_in[:, j])
+        states.append(s)
+    S = mx.stack(states, axis=1)
+    return drafter.logits(mx.broadcast_to(h[:, None, :], S.shape), S)
+
+
+def hard_loss(logits: mx.array, b: Batch) -> mx.array:
+    """Mean cross-entropy against the target's greedy tokens (the corpus), over weighted steps."""
+    ce = nn.losses.cross_entropy(logits, b.target, reduction="none")
+    return (ce * b.weight).sum() / mx.maximum(b.weight.sum(), 1.0)
+
+
+def soft_loss(logits: mx.array, b: Batch, head_rows: mx.array) -> mx.array:
+    """Cross-entropy against the target's own distribution at each step, restricted to the head's tokens:
+    softmax(h_{p+j} . E[head tokens]) with the target's (tied) output rows `head_rows` (K, H)."""
+    teacher = mx.softmax(b.h_next @ head_rows.T, axis=-1)  # (B, T, K)
+    ce = -(teacher * nn.log_softmax(logits, axis=-1)).sum(axis=-1)
+    return (ce * b.valid).sum() / mx.maximum(b.valid.sum(), 1.0)
