@@ -109,6 +109,8 @@ def accept(cands: mx.array, tree: PackedTree, logits: mx.array, s: Sampling, key
     if s.greedy:
         return accept_greedy(cands, tree, logits)
     node_p = probs(logits, s)
+    if callable(s.accept):
+        return s.accept(cands, tree, node_p, key)
     if s.accept == "typical":
         return accept_typical(cands, tree, node_p, s, key)
     return accept_exact(cands, tree, node_p, key)

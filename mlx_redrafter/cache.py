@@ -65,6 +65,14 @@ class KVCache:
             if self.keys[i] is not None:
                 self.keys[i], self.values[i] = self.keys[i][rows], self.values[i][rows]
 
+    def copy(self) -> KVCache:
+        """An independent cache with the same contents (e.g. to decode several continuations of one prefix)."""
+        other = KVCache(self.num_layers, self.capacity, self.step)
+        other.offset = self.offset
+        other.keys = [None if a is None else mx.array(a) for a in self.keys]
+        other.values = [None if a is None else mx.array(a) for a in self.values]
+        return other
+
     def state(self) -> list[mx.array]:
         """All cache arrays (for mx.eval)."""
         return [a for a in self.keys + self.values if a is not None]

@@ -9,7 +9,9 @@ Temperature 0 means greedy (argmax).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -25,7 +27,8 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    accept: str = "exact"  # speculative acceptance at temperature > 0: "exact" or "typical"
+    accept: str | Callable[..., Any] = "exact"  # at T > 0: "exact", "typical", or a rule of your own:
+    # fn(cands, tree, node_p, key) -> accept.Accepted (e.g. a deliberately biased rule to test the tests)
     typical_eps: float = 0.09  # Medusa's posterior_threshold
     typical_delta: float = 0.3  # Medusa's posterior_alpha
 
@@ -38,7 +41,7 @@ class Sampling:
             raise UserError(f"--top-k must be >= 0 (0 = off; got {self.top_k})")
         if not 0 <= self.min_p < 1:
             raise UserError(f"--min-p must be in [0, 1) (got {self.min_p})")
-        if self.accept not in ("exact", "typical"):
+        if not callable(self.accept) and self.accept not in ("exact", "typical"):
             raise UserError(f"--accept must be 'exact' or 'typical' (got {self.accept!r})")
 
     @property
@@ -48,7 +51,8 @@ class Sampling:
     def as_dict(self) -> dict:
         d = {"temperature": self.temperature}
         if not self.greedy:
-            d.update(top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, accept=self.accept)
+            d.update(top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                     accept=self.accept if isinstance(self.accept, str) else getattr(self.accept, "__name__", "custom"))
             if self.accept == "typical":
                 d.update(typical_eps=self.typical_eps, typical_delta=self.typical_delta)
         return d

@@ -1,0 +1,178 @@
+"""Sampling at temperature > 0: the filters, seeded reproducibility, and a statistical test that exact
+speculative sampling draws from the target's own distribution (and fails for a deliberately biased rule)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_redrafter import api
+from mlx_redrafter.accept import Accepted, _child_probs, _walk
+from mlx_redrafter.generate import Stats, generate_speculative
+from mlx_redrafter.lookup import NgramIndex
+from mlx_redrafter.sampling import Sampling, probs, sample
+from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
+
+ALPHA = 1e-3  # significance of the goodness-of-fit test (seeds are fixed: the outcome is deterministic)
+
+
+def test_filters_keep_the_right_tokens():
+    logits = mx.log(mx.array([[0.5, 0.25, 0.15, 0.1]]))
+    p = lambda **kw: [round(float(x), 4) for x in np.array(probs(logits, Sampling(temperature=1.0, **kw)))[0]]  # noqa: E731
+    assert p() == [0.5, 0.25, 0.15, 0.1]
+    assert p(top_k=2) == [0.6667, 0.3333, 0.0, 0.0]
+    assert p(top_p=0.7) == [0.6667, 0.3333, 0.0, 0.0]  # 0.5 < 0.7, 0.75 >= 0.7: two tokens
+    assert p(top_p=0.5) == [1.0, 0.0, 0.0, 0.0]
+    assert p(min_p=0.25) == [0.5556, 0.2778, 0.1667, 0.0]  # drop < 0.125, renormalise
+    hot = np.array(probs(logits, Sampling(temperature=2.0)))[0]
+    assert hot[0] < 0.5 and abs(hot.sum() - 1) < 1e-6
+
+
+def test_bad_settings_are_one_line_errors():
+    from mlx_redrafter.errors import UserError
+
+    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 1.0}, {"accept": "fast"}):
+        with pytest.raises(UserError):
+            Sampling(**kw)
+
+
+@pytest.fixture(scope="module")
+def runner(target):
+    from mlx_redrafter.api import Runner, resolve_drafter
+
+    d, name = resolve_drafter("default", target)
+    return Runner(target, d, name)
+
+
+def test_seeded_runs_are_reproducible(runner):
+    for draft in ("none", "rnn+lookup"):
+        opts = api.DecodeOptions(draft=draft, max_tokens=20, sampling=Sampling(temperature=0.9, seed=7))
+        a, b = api.generate(runner, "Tell me a story.", opts), api.generate(runner, "Tell me a story.", opts)
+        assert a.tokens == b.tokens
+        other = api.generate(runner, "Tell me a story.", opts, sampling=Sampling(temperature=0.9, seed=8))
+        assert other.tokens != a.tokens
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """P(X >= x) for a chi-square variable with k degrees of freedom (regularised upper incomplete gamma)."""
+    a, z = k / 2.0, x / 2.0
+    if z < a + 1:  # series for the lower part
+        term = total = 1.0 / a
+        n = a
+        while term > total * 1e-12:
+            n += 1
+            term *= z / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(-z + a * math.log(z) - math.lgamma(a)))
+    f, c, d = 1e-300, 1e-300, 0.0  # continued fraction (Lentz) for the upper part
+    for i in range(1, 300):
+        an = -i * (i - a) if i > 1 else 1.0
+        b = z + 2 * i - 1 - a
+        d = b + an * d
+        d = 1 / (d if abs(d) > 1e-300 else 1e-300)
+        c = b + an / c
+        f *= c * d
+        if abs(c * d - 1) < 1e-12:
+            break
+    return math.exp(-z + a * math.log(z) - math.lgamma(a)) * f
+
+
+def exact_distribution(model, cache, prefix_last: int, s: Sampling, depth: int) -> dict[tuple, float]:
+    """P(t1..t_depth) of AR sampling with `s`, enumerated over the (top-k restricted) support."""
+    out: dict[tuple, float] = {}
+
+    def walk(c, token, seq, prob):
+        logits, _ = model(mx.array([[token]]), c)
+        c.advance(1)
+        p = np.array(probs(logits[0, -1], s))
+        for t in np.flatnonzero(p > 0):
+            if len(seq) + 1 == depth:
+                out[(*seq, int(t))] = prob * float(p[t])
+            else:
+                walk(c.copy(), int(t), (*seq, int(t)), prob * float(p[t]))
+
+    walk(cache.copy(), prefix_last, (), 1.0)
+    return out
+
+
+def draw(model, cache, prompt_last, history, alloc_fn, s: Sampling, n: int, depth: int) -> Counter:
+    counts: Counter = Counter()
+    for i in range(n):
+        si = Sampling(temperature=s.temperature, top_k=s.top_k, seed=1000 + i, accept=s.accept)
+        toks = sum(generate_speculative(model, [prompt_last], alloc_fn(), length=3, max_tokens=depth,
+                                        sampling=si, cache=cache.copy(), history=history), [])
+        counts[tuple(toks)] += 1
+    return counts
+
+
+def goodness_of_fit(counts: Counter, expected: dict[tuple, float]) -> float:
+    """p-value of a chi-square test of counts against the expected distribution (rare cells pooled)."""
+    n = sum(counts.values())
+    assert set(counts) <= set(expected), "a sequence AR sampling can never produce was drawn"
+    cells, pool_obs, pool_exp = [], 0, 0.0
+    for key, p in expected.items():
+        if p * n >= 5:
+            cells.append((counts.get(key, 0), p * n))
+        else:
+            pool_obs, pool_exp = pool_obs + counts.get(key, 0), pool_exp + p * n
+    if pool_exp > 0:
+        cells.append((pool_obs, pool_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    return chi2_sf(stat, len(cells) - 1)
+
+
+def biased_rule(cands, tree, node_p, key):
+    """The classic mistake: accept child x iff U < p(x) with no renormalisation over rejected siblings, and
+    after a rejection resample from p itself instead of the residual (Apple's residual ignores siblings)."""
+    k_u, k_s = mx.random.split(key)
+    pc = _child_probs(tree, node_p)
+    idx = mx.arange(tree.size)
+    sib_before = (tree.parent[:, None] == tree.parent[None, :]) & (idx[None, :] < idx[:, None])
+    cond = mx.random.uniform(shape=(tree.size,), key=k_u) < pc
+    accepted = cond & ~(sib_before & cond[None, :]).any(axis=1)
+    stop, n, path, runs = _walk(tree, cands, accepted)
+    return Accepted(n=n, path=path, next_token=sample(node_p[stop], k_s)[None], stop=stop, runs=runs)
+
+
+@pytest.fixture(scope="module")
+def setup(target, runner):
+    tok, model = target.tokenizer, target.model
+    prompt = tok.encode_chat([{"role": "user", "content": "Write one sentence about the sea."}])
+    cache = model.make_cache(len(prompt) + 16)
+    model(mx.array([prompt[:-1]]), cache)
+    cache.advance(len(prompt) - 1)
+    mx.eval(cache.state())
+
+    def alloc():  # sibling candidates at depth 1 and 2 from the trained drafter, plus lookup
+        return Allocator([Slot(RnnSource(runner.drafter, model.embed), 3), Slot(LookupSource(NgramIndex), 1)])
+
+    return model, cache, prompt, alloc
+
+
+def test_exact_speculative_sampling_matches_the_target_distribution(setup):
+    model, cache, prompt, alloc = setup
+    s = Sampling(temperature=1.0, top_k=3)
+    expected = exact_distribution(model, cache, prompt[-1], s, 3)
+    counts = draw(model, cache, prompt[-1], prompt[:-1], alloc, s, 240, 3)
+    assert goodness_of_fit(counts, expected) > ALPHA
+
+
+def test_the_statistical_test_rejects_a_biased_rule(setup):
+    model, cache, prompt, alloc = setup
+    s = Sampling(temperature=1.0, top_k=3, accept=biased_rule)
+    expected = exact_distribution(model, cache, prompt[-1], s, 3)
+    counts = draw(model, cache, prompt[-1], prompt[:-1], alloc, s, 160, 3)
+    assert goodness_of_fit(counts, expected) < ALPHA
+
+
+def test_typical_acceptance_runs_and_reports(runner):
+    stats = Stats()
+    opts = api.DecodeOptions(max_tokens=24, sampling=Sampling(temperature=0.7, seed=0, accept="typical"))
+    for _ in api.stream_generate(runner, "Name three fruits.", opts, stats=stats):
+        pass
+    assert stats.generated_tokens > 0 and stats.steps > 0
+    assert api.settings(runner, opts)["accept"] == "typical"
