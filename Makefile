@@ -38,14 +38,14 @@ $(VENV)/.torch: $(STAMP)
 	$(BIN)/pip install -q -e ".[$(EXTRAS),torch]"
 	touch $(VENV)/.torch
 
-bench: $(STAMP)  ## sweep W x L vs AR and mlx-lm: make bench DEVICE=m2ultra [BENCH_ARGS=--quick]
-	$(BIN)/redrafter-mlx bench --device $(DEVICE) $(BENCH_ARGS)
+bench: $(STAMP)  ## draft modes x widths x lengths vs AR and mlx-lm: make bench DEVICE=m2ultra [BENCH_ARGS=...]
+	$(BIN)/python -m bench sweep --device $(DEVICE) $(BENCH_ARGS)
 
 bench-quick: $(STAMP)
-	$(BIN)/redrafter-mlx bench --device $(DEVICE) --quick
+	$(BIN)/python -m bench sweep --device $(DEVICE) --quick $(BENCH_ARGS)
 
 parity: $(VENV)/.torch  ## MLX vs PyTorch parity report: make parity DEVICE=cpu|cuda
-	$(BIN)/python -m bench.parity --device $(DEVICE)
+	$(BIN)/python -m bench parity --device $(DEVICE)
 
 train: $(STAMP)  ## reproduce the shipped drafter from scratch
 	$(BIN)/redrafter-mlx train

@@ -1,1 +1,2 @@
-"""Benchmarks: W x L sweep vs AR and mlx-lm (harness/run/plots), auto-tune, PyTorch reference and parity."""
+"""Repository tools, not installed with the package: the benchmark sweep (vs our AR and mlx-lm's AR), the
+MLX vs PyTorch parity report and the PyTorch reference path. Run from the checkout: `python -m bench --help`."""

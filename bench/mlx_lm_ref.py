@@ -1,30 +1,20 @@
-"""mlx-lm's own autoregressive generation on our loaded weights: the external AR baseline."""
+"""mlx-lm's own autoregressive generation on our loaded weights: the external AR baseline of the benchmark."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
+import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlx_redrafter.api import DecodeOptions
+from mlx_redrafter.generate import Stats
 from mlx_redrafter.model import Model
-
-
-@dataclass
-class RefRun:
-    """Tokens and timings of one mlx-lm generation (same conventions as decode.Stats)."""
-
-    tokens: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    peak_memory_gb: float = 0.0
-    stop_reason: str = ""
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+from mlx_redrafter.sweep import Config
 
 
 def mlx_lm_model(model: Model) -> nn.Module:
@@ -49,25 +39,42 @@ def mlx_lm_model(model: Model) -> nn.Module:
     return ref
 
 
-def generate_ref(ref: nn.Module, prompt: list[int], max_tokens: int, eos_ids: list[int]) -> RefRun:
-    """Greedy mlx-lm generation (`generate_step`, argmax); eos ends it and is not emitted."""
-    import importlib
+class MlxLmDecoder:
+    """A sweep decoder running mlx-lm's `generate_step` (argmax, or its sampler at temperature > 0)."""
 
-    generate_step = importlib.import_module("mlx_lm.generate").generate_step
-    run, eos = RefRun(), set(eos_ids)
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    t_first = None
-    for tok, _ in generate_step(mx.array(prompt), ref, max_tokens=max_tokens):
-        tok = int(tok)
-        if t_first is None:
-            t_first = time.perf_counter()
-            run.prefill_s = t_first - t0
-        if tok in eos:
-            run.stop_reason = "eos"
-            break
-        run.tokens.append(tok)
-    run.stop_reason = run.stop_reason or "max_tokens"
-    run.decode_s = time.perf_counter() - (t_first if t_first is not None else t0)
-    run.peak_memory_gb = mx.get_peak_memory() / 1e9
-    return run
+    def __init__(self, model: Model, eos_ids: list[int]):
+        self.ref, self.eos = mlx_lm_model(model), set(eos_ids)
+
+    def __call__(self, prompt: list[int], options: DecodeOptions) -> tuple[list[int], Stats]:
+        """New token ids (eos ends the generation and is not emitted) and Stats with our conventions."""
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        s = options.sampling
+        sampler = None if s.greedy else make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0,
+                                                     min_p=s.min_p, top_k=s.top_k)
+        if s.seed is not None:
+            mx.random.seed(s.seed)
+        stats, tokens, t_first = Stats(prompt_tokens=len(prompt)), [], None
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        for tok, _ in generate_step(mx.array(prompt), self.ref, max_tokens=options.max_tokens, sampler=sampler):
+            tok = int(tok)
+            if t_first is None:
+                t_first = time.perf_counter()
+            if tok in self.eos:
+                stats.stop_reason = "eos"
+                break
+            tokens.append(tok)
+        stats.prefill_s = (t_first or t0) - t0
+        stats.decode_s = time.perf_counter() - (t_first or t0)
+        stats.stop_reason = stats.stop_reason or "max_tokens"
+        stats.generated_tokens = len(tokens)
+        stats.steps = max(len(tokens) - 1 + (stats.stop_reason == "eos"), 0)  # target calls after the first token
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        return tokens, stats
+
+
+def mlx_lm_configs(decoder: MlxLmDecoder, ar_configs: list[Config]) -> list[Config]:
+    """One mlx-lm configuration per AR configuration (same sampling and length)."""
+    return [Config(c.name.replace("ar", "mlx_lm", 1), c.options, decoder, "mlx_lm") for c in ar_configs]

@@ -1,20 +1,20 @@
-"""MLX vs PyTorch parity report: `python -m bench.parity --device cpu|cuda` (or `make parity DEVICE=...`).
+"""MLX vs PyTorch parity report: `python -m bench parity --device cpu|cuda` (or `make parity DEVICE=...`).
 
 Compares, on the default model (or --model) and MT-bench prompts, in fp32:
   target logits and post-norm hidden states (prompt prefill and the packed tree forward) against transformers'
   LlamaForCausalLM loaded from the same GGUF; drafter beams and chosen-token log-probs against the PyTorch
   drafter holding the same weights; packed tokens / depths / mask / unpacker against a loop implementation;
-  end-to-end greedy token ids of ReDrafter (MLX and PyTorch) against both autoregressive paths.
+  one speculative step (mlx_redrafter.step) against the same step in PyTorch; end-to-end greedy token ids of
+  the library's loops (generate_ar / generate_speculative) and of the PyTorch loops; the tokenizer.
 Writes bench/results/parity/<device>/parity.json and parity.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,14 @@ import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.c
 import mlx.core as mx
 import numpy as np
 
-from mlx_redrafter.cache import KVCache
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import write_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).resolve().parent / "results" / "parity"
 
 
 def to_np(x: Any) -> np.ndarray:
-    """MLX array or torch tensor -> float64/int numpy array."""
+    """MLX array or torch tensor -> numpy array (floats as float32)."""
     if isinstance(x, np.ndarray):
         return x
     if isinstance(x, mx.array):
@@ -40,16 +40,18 @@ def to_np(x: Any) -> np.ndarray:
 
 
 def max_abs(a: Any, b: Any) -> float:
+    """Largest absolute elementwise difference."""
     return float(np.max(np.abs(to_np(a).astype(np.float64) - to_np(b).astype(np.float64))))
 
 
-def load_prompts(n: int, path: Path = ROOT / "data" / "mt_bench.jsonl") -> list[str]:
-    with path.open() as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+def rnn_allocator(model: Any, drafter: Any, width: int) -> Any:
+    """Plain ReDrafter's draft sources: the recurrent drafter's W beams, nothing else, fixed width."""
+    from mlx_redrafter.sources import Allocator, RnnSource, Slot
+
+    return Allocator([Slot(RnnSource(drafter, model.embed), width)])
 
 
-def pick_drafter(target, spec: str | None):
+def pick_drafter(target: Any, spec: str | None) -> tuple[Any, str]:
     """The shipped drafter for the target if there is one, else a seeded random drafter (or `spec`)."""
     from mlx_redrafter.api import resolve_drafter, shipped_drafter_path
 
@@ -61,34 +63,35 @@ def pick_drafter(target, spec: str | None):
     return drafter, name
 
 
-def target_parity(mlx_model, hf, ids: list[int], device: str) -> dict[str, Any]:
+def target_parity(mlx_model: Any, hf: Any, ids: list[int], device: str) -> dict[str, Any]:
     """Prefill logits/hidden over all prompt positions."""
     import torch
 
     from bench.torch_ref.target import forward
 
-    logits, hidden = mlx_model(mx.array([ids]), KVCache(len(mlx_model.model.layers), len(ids)))
+    logits, hidden = mlx_model(mx.array([ids]), mlx_model.make_cache(len(ids)))
     t_logits, t_hidden = forward(hf, torch.tensor([ids], device=device))
     a, b = to_np(logits[0]), to_np(t_logits[0])
     return {"prefill_logits_max_abs": max_abs(a, b), "prefill_hidden_max_abs": max_abs(hidden[0], t_hidden[0]),
             "prefill_argmax_match": float(np.mean(a.argmax(-1) == b.argmax(-1))), "prompt_tokens": len(ids)}
 
 
-def drafter_tree_parity(mlx_model, hf, drafter, t_drafter, ids: list[int], width: int, length: int,
+def drafter_tree_parity(mlx_model: Any, hf: Any, drafter: Any, t_drafter: Any, ids: list[int], width: int, length: int,
                         device: str) -> dict[str, Any]:
-    """Beam search on the same (context, g0), packing of the same beams, and the packed tree forward."""
+    """From the same prefill: beam search, packing of the same beams, the packed tree forward, and one whole
+    speculative step (mlx_redrafter.step.speculative_step) against the same step in PyTorch."""
     import torch
 
     from bench.torch_ref import drafter as tdraft
     from bench.torch_ref import target as ttarget
     from bench.torch_ref import tree as ttree
     from mlx_redrafter.beam_search import beam_search
+    from mlx_redrafter.sources import DecodeState
+    from mlx_redrafter.step import prefill, speculative_step
     from mlx_redrafter.tree import pack, verify_mask
 
-    cache = KVCache(len(mlx_model.model.layers), len(ids) + width * length)
-    logits, hidden = mlx_model(mx.array([ids]), cache, last_only=True)
-    cache.advance(len(ids))
-    g0, h = mx.argmax(logits[:, -1], axis=-1), hidden[:, -1]
+    cache = mlx_model.make_cache(len(ids) + width * length)
+    g0, h = prefill(mlx_model, cache, ids)
     beams, lp = beam_search(drafter, mlx_model.embed, h, g0, width, length)
     mx.eval(beams, lp)
     t_beams, t_lp = tdraft.beam_search(t_drafter, hf.model.embed_tokens, torch.from_numpy(to_np(h)).to(device),
@@ -106,6 +109,7 @@ def drafter_tree_parity(mlx_model, hf, drafter, t_drafter, ids: list[int], width
         and np.array_equal(to_np(tree.unpacker), to_np(t_tree.unpacker)))
     out["packed_tokens"] = tree.size
     out["candidate_tokens"] = width * length
+    # The packed tree forward, as the step's verify phase runs it (scratch only: the cache stays committed).
     positions = (cache.offset + tree.depth)[None]
     v_logits, v_hidden = mlx_model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))
     t_cache = ttarget.new_cache(hf)
@@ -117,40 +121,59 @@ def drafter_tree_parity(mlx_model, hf, drafter, t_drafter, ids: list[int], width
     out["tree_logits_max_abs"] = max_abs(v_logits[0], tv_logits[0])
     out["tree_hidden_max_abs"] = max_abs(v_hidden[0], tv_hidden[0])
     out["tree_argmax_match"] = float(np.mean(to_np(v_logits[0]).argmax(-1) == to_np(tv_logits[0]).argmax(-1)))
+    # One whole speculative step of the library on the same state vs the PyTorch step's decision.
+    state = DecodeState(tokens=[*ids, g0.item()], g0=g0.astype(mx.int32), h=h)
+    step = speculative_step(mlx_model, cache, state, rnn_allocator(mlx_model, drafter, width).plan(), length)
+    t_tokens = _torch_step_tokens(t_beams[0].tolist(), tv_logits[0].argmax(-1)[t_tree.unpacker].tolist())
+    out["step_tokens"] = step.tokens
+    out["step_equal"] = step.tokens == t_tokens and step.verified == t_tree.size
     return out
 
 
+def _torch_step_tokens(beams: list[list[int]], target_next: list[list[int]]) -> list[int]:
+    """Accepted drafts of the longest matching beam (ties: lowest index) and the target's next token."""
+    best, n = 0, -1
+    for i, b in enumerate(beams):
+        run = 0
+        while run < len(b) - 1 and b[run + 1] == target_next[i][run]:
+            run += 1
+        if run > n:
+            best, n = i, run
+    return beams[best][1 : n + 1] + [target_next[best][n]]
+
+
 def first_diff(a: list[int], b: list[int]) -> int | None:
+    """Index of the first difference (None when equal)."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def ar_top2_gap(mlx_model, ids: list[int], generated: list[int], at: int) -> float:
+def ar_top2_gap(mlx_model: Any, ids: list[int], generated: list[int], at: int) -> float:
     """Top-2 logit gap of the target (MLX, full forward) at generated position `at` (tie diagnostics)."""
     seq = ids + generated[:at]
-    logits, _ = mlx_model(mx.array([seq]), KVCache(len(mlx_model.model.layers), len(seq)), last_only=True)
+    logits, _ = mlx_model(mx.array([seq]), mlx_model.make_cache(len(seq)), last_only=True)
     top = np.sort(to_np(logits[0, -1]))[-2:]
     return float(top[1] - top[0])
 
 
-def e2e_parity(mlx_model, hf, drafter, t_drafter, ids: list[int], eos: list[int], max_tokens: int, width: int,
-               length: int, device: str) -> dict[str, Any]:
-    """Greedy token ids: MLX ReDrafter / MLX AR / PyTorch AR / PyTorch ReDrafter."""
+def e2e_parity(mlx_model: Any, hf: Any, drafter: Any, t_drafter: Any, ids: list[int], eos: list[int],
+               max_tokens: int, width: int, length: int, device: str) -> dict[str, Any]:
+    """Greedy token ids: MLX ReDrafter / MLX AR (the library's loops) / PyTorch AR / PyTorch ReDrafter."""
     from bench.torch_ref.decode import greedy_ar, greedy_redrafter
-    from mlx_redrafter.decode import Stats, generate_tokens
+    from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
 
     runs: dict[str, list[int]] = {}
     times: dict[str, float] = {}
     stats = Stats()
     t = time.perf_counter()
-    runs["mlx_ar"] = [x for step in generate_tokens(mlx_model, ids, max_tokens=max_tokens, eos_ids=eos) for x in step]
+    runs["mlx_ar"] = sum(generate_ar(mlx_model, ids, max_tokens=max_tokens, eos_ids=eos), [])
     times["mlx_ar"] = time.perf_counter() - t
     t = time.perf_counter()
-    runs["mlx_redrafter"] = [x for step in generate_tokens(mlx_model, ids, drafter=drafter, beam_width=width,
-                                                          beam_length=length, max_tokens=max_tokens, eos_ids=eos,
-                                                          stats=stats) for x in step]
+    runs["mlx_redrafter"] = sum(generate_speculative(mlx_model, ids, rnn_allocator(mlx_model, drafter, width),
+                                                     length=length, max_tokens=max_tokens, eos_ids=eos,
+                                                     stats=stats), [])
     times["mlx_redrafter"] = time.perf_counter() - t
     t = time.perf_counter()
     runs["torch_ar"] = greedy_ar(hf, ids, max_tokens, eos, device=device)
@@ -174,7 +197,7 @@ def e2e_parity(mlx_model, hf, drafter, t_drafter, ids: list[int], eos: list[int]
     return out
 
 
-def tokenizer_parity(target, spec: str | None, texts: list[str]) -> dict[str, Any]:
+def tokenizer_parity(target: Any, spec: str | None, texts: list[str]) -> dict[str, Any]:
     """Our tokenizer vs transformers' tokenizer from the same GGUF (raw text, no chat template)."""
     from transformers import AutoTokenizer
 
@@ -193,15 +216,19 @@ def tokenizer_parity(target, spec: str | None, texts: list[str]) -> dict[str, An
 
 
 def run(device: str, model: str | None, drafter_spec: str | None, n_prompts: int, max_tokens: int, width: int,
-        length: int, out_dir: Path) -> dict[str, Any]:
+        length: int, out_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build the report over the first `n_prompts` MT-bench first turns; writes parity.json and parity.md."""
     import torch
 
     from bench.torch_ref.drafter import from_mlx
     from bench.torch_ref.target import load_hf_target
     from mlx_redrafter.loader import load_target
+    from mlx_redrafter.prompts import first_turns
 
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device visible to PyTorch")
+    if width < 1 or length < 2 or max_tokens < 1 or n_prompts < 1:
+        raise UserError("--beam-width must be >= 1, --beam-length >= 2, --max-tokens and --prompts >= 1")
     torch.manual_seed(0)
     t0 = time.perf_counter()
     target = load_target(model, "float32")
@@ -210,48 +237,46 @@ def run(device: str, model: str | None, drafter_spec: str | None, n_prompts: int
     t_drafter = from_mlx(drafter, device)
     load_s = time.perf_counter() - t0
     tok = target.tokenizer
-    prompts = load_prompts(n_prompts)
+    prompts = [r["prompt"] for r in first_turns(num=n_prompts)]
     rows = []
     for i, p in enumerate(prompts):
-        ids = tok.encode(tok.chat_prompt([{"role": "user", "content": p}]))
+        ids = tok.encode_chat([{"role": "user", "content": p}])
         row = {"prompt": i, **target_parity(target.model, hf, ids, device),
                **drafter_tree_parity(target.model, hf, drafter, t_drafter, ids, width, length, device),
                **e2e_parity(target.model, hf, drafter, t_drafter, ids, tok.eos_ids, max_tokens, width, length,
                             device)}
         rows.append(row)
-        print(f"prompt {i}: logits {row['prefill_logits_max_abs']:.2e} tree {row['tree_logits_max_abs']:.2e} "
-              f"beams {row['beams_equal']} packed {row['packed_equal']} e2e "
-              f"{row['mlx_redrafter_equals_mlx_ar']}/{row['torch_ar_equals_mlx_ar']}/"
-              f"{row['torch_redrafter_equals_mlx_ar']}", flush=True)
-    summary = {
-        "prefill_logits_max_abs": max(r["prefill_logits_max_abs"] for r in rows),
-        "prefill_hidden_max_abs": max(r["prefill_hidden_max_abs"] for r in rows),
-        "prefill_argmax_match": float(np.mean([r["prefill_argmax_match"] for r in rows])),
-        "tree_logits_max_abs": max(r["tree_logits_max_abs"] for r in rows),
-        "tree_hidden_max_abs": max(r["tree_hidden_max_abs"] for r in rows),
-        "tree_argmax_match": float(np.mean([r["tree_argmax_match"] for r in rows])),
-        "beam_logprob_max_abs": max(r["beam_logprob_max_abs"] for r in rows),
-        "beams_equal": f"{sum(r['beams_equal'] for r in rows)}/{len(rows)}",
-        "packed_equal": f"{sum(r['packed_equal'] for r in rows)}/{len(rows)}",
-        "mlx_redrafter_equals_mlx_ar": f"{sum(r['mlx_redrafter_equals_mlx_ar'] for r in rows)}/{len(rows)}",
-        "torch_ar_equals_mlx_ar": f"{sum(r['torch_ar_equals_mlx_ar'] for r in rows)}/{len(rows)}",
-        "torch_redrafter_equals_mlx_ar": f"{sum(r['torch_redrafter_equals_mlx_ar'] for r in rows)}/{len(rows)}",
-        "mlx_tokens_per_step": float(np.mean([r["mlx_tokens_per_step"] for r in rows])),
-    }
-    where = torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or platform.machine())
+        log(f"prompt {i}: logits {row['prefill_logits_max_abs']:.2e} tree {row['tree_logits_max_abs']:.2e} "
+            f"beams {row['beams_equal']} packed {row['packed_equal']} step {row['step_equal']} e2e "
+            f"{row['mlx_redrafter_equals_mlx_ar']}/{row['torch_ar_equals_mlx_ar']}/"
+            f"{row['torch_redrafter_equals_mlx_ar']}")
     report = {
-        "device": device, "torch_device_name": where, "mlx_device": str(mx.default_device()), "model": target.name,
-        "dtype": "float32",
-        "drafter": drafter_name, "beam_width": width, "beam_length": length, "max_tokens": max_tokens,
-        "prompts": len(rows), "torch_version": torch.__version__, "mlx_version": mx.__version__,
-        "load_s": round(load_s, 2), "summary": summary,
+        "device": device, "torch_device_name": torch.cuda.get_device_name(0) if device == "cuda" else
+        (platform.processor() or platform.machine()), "mlx_device": str(mx.default_device()), "model": target.name,
+        "dtype": "float32", "drafter": drafter_name, "beam_width": width, "beam_length": length,
+        "max_tokens": max_tokens, "prompts": len(rows), "torch_version": torch.__version__,
+        "mlx_version": mx.__version__, "load_s": round(load_s, 2), "summary": summarize(rows),
         "tokenizer": tokenizer_parity(target, model, prompts), "per_prompt": rows,
         "total_s": round(time.perf_counter() - t0, 2),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "parity.md").write_text(markdown(report))
+    write_atomic(out_dir / "parity.json", json.dumps(report, indent=2) + "\n")
+    write_atomic(out_dir / "parity.md", markdown(report))
     return report
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Worst differences and counts of identical results over the prompts."""
+    def count(k: str) -> str:
+        return f"{sum(bool(r[k]) for r in rows)}/{len(rows)}"
+
+    out: dict[str, Any] = {k: max(r[k] for r in rows) for k in (
+        "prefill_logits_max_abs", "prefill_hidden_max_abs", "tree_logits_max_abs", "tree_hidden_max_abs",
+        "beam_logprob_max_abs")}
+    out.update({k: float(np.mean([r[k] for r in rows])) for k in (
+        "prefill_argmax_match", "tree_argmax_match", "mlx_tokens_per_step")})
+    out.update({k: count(k) for k in ("beams_equal", "packed_equal", "step_equal", "mlx_redrafter_equals_mlx_ar",
+                                      "torch_ar_equals_mlx_ar", "torch_redrafter_equals_mlx_ar")})
+    return out
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -275,6 +300,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"| drafter beams identical | {s['beams_equal']} |",
         f"| drafter chosen log-probs max abs diff | {s['beam_logprob_max_abs']:.2e} |",
         f"| packed tokens / depth / mask / unpacker identical | {s['packed_equal']} |",
+        f"| one speculative step (step.speculative_step) == PyTorch step | {s['step_equal']} |",
         f"| greedy ids: MLX ReDrafter == MLX AR | {s['mlx_redrafter_equals_mlx_ar']} |",
         f"| greedy ids: PyTorch AR == MLX AR | {s['torch_ar_equals_mlx_ar']} |",
         f"| greedy ids: PyTorch ReDrafter == MLX AR | {s['torch_redrafter_equals_mlx_ar']} |",
@@ -285,34 +311,3 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| tokenizer ids identical to transformers (GGUF) | {t['identical']}/{t['texts']} |")
     lines += ["", f"Total time {r['total_s']} s. Per-prompt details in parity.json.", ""]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.parity", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="PyTorch device of the reference path")
-    p.add_argument("--model", default=None, help="target model (default: the embedded SmolLM2-135M)")
-    p.add_argument("--drafter", default=None, help="drafter: shipped one if any, else random:0; or a path")
-    p.add_argument("--prompts", type=int, default=4, help="number of MT-bench prompts")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--beam-width", type=int, default=4)
-    p.add_argument("--beam-length", type=int, default=5)
-    p.add_argument("--out", default=None, help="output dir (default bench/results/parity/<device>)")
-    a = p.parse_args(argv)
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("error: the parity report needs PyTorch: make parity (installs the torch extra)", file=sys.stderr)
-        return 2
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / "parity" / a.device
-    try:
-        r = run(a.device, a.model, a.drafter, a.prompts, a.max_tokens, a.beam_width, a.beam_length, out)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown(r))
-    print(f"wrote {out / 'parity.json'} and {out / 'parity.md'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

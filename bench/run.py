@@ -1,180 +1,162 @@
-"""`redrafter-mlx bench`: run the sweep, write CSV + JSON + PNG plots + README.md under bench/results/<DEVICE>/."""
+"""The full benchmark: every draft mode x width x length vs our AR and mlx-lm's AR, interleaved
+(mlx_redrafter.sweep), per dtype; then the profile of the best cell; CSV, JSON, plots and README.md."""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-import os
 import re
-import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from mlx_redrafter.defaults import BENCH_GRID, WARMUP_TOKENS
 from mlx_redrafter.errors import UserError
 
-from .harness import (
-    COLUMNS,
-    Prompt,
-    SweepSpec,
-    best_cells,
-    default_prompts_file,
-    read_prompts,
-    summarize,
-    sweep,
-)
-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-QUICK = {"num_prompts": 3, "max_tokens": 64, "widths": [1, 4], "lengths": [3, 5], "repeats": 1}
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text via a temp file in the same directory and rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+@dataclass
+class BenchSpec:
+    """What to measure."""
+
+    device: str
+    model: str | None = None
+    drafter: str = "default"
+    drafts: str | None = None  # comma list; None: rnn, lookup, rnn+lookup with a drafter, else lookup
+    dtypes: list[str] = field(default_factory=lambda: ["auto"])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    widths: list[int] = field(default_factory=lambda: list(BENCH_GRID["widths"]))
+    lengths: list[int] = field(default_factory=lambda: list(BENCH_GRID["lengths"]))
+    max_tokens: int = BENCH_GRID["max_tokens"]
+    num_prompts: int = BENCH_GRID["num_prompts"]
+    prompts_file: Path | None = None
+    repeats: int = BENCH_GRID["repeats"]
+    warmup_tokens: int = WARMUP_TOKENS
+    mlx_lm: bool = True
+    profile: bool = True
+
+    def check(self) -> None:
+        """One-line UserError for bad values (before anything is loaded)."""
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.device or ""):
+            raise UserError(f"--device {self.device!r}: use letters, digits, '.', '_' or '-' (it names a folder)")
+        if min(self.widths) < 1:
+            raise UserError(f"--widths must be >= 1 (got {self.widths})")
+        if min(self.lengths) < 2:
+            raise UserError(f"--lengths must be >= 2: the first token plus at least one draft (got {self.lengths})")
+        if self.max_tokens < 2:
+            raise UserError(f"--max-tokens must be >= 2 (got {self.max_tokens})")
+        if self.repeats < 1:
+            raise UserError(f"--repeats must be >= 1 (got {self.repeats})")
+        if not self.dtypes:
+            raise UserError("--dtypes is empty")
 
 
-def _fmt(v: Any) -> Any:
-    return f"{v:.6g}" if isinstance(v, float) else v
+def samplings(temperatures: list[float]) -> list[Any]:
+    """Sampling settings per temperature (seeded, so repeats decide the same tokens)."""
+    from mlx_redrafter.sampling import Sampling
+
+    return [Sampling(temperature=t, seed=0 if t > 0 else None) for t in temperatures]
 
 
-def rows_csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
+def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
+    """AR, mlx-lm (optional) and every cell, per temperature."""
+    from mlx_redrafter import sweep
+
+    drafts = sweep.parse_drafts(spec.drafts, runner.drafter is not None)
+    configs = []
+    for s in samplings(spec.temperatures):
+        configs += sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s)
+    if spec.mlx_lm:
+        from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs
+
+        decoder = MlxLmDecoder(runner.target.model, runner.tokenizer.eos_ids)
+        ars = [c for c in configs if c.is_ar]
+        k = configs.index(ars[0]) + 1
+        configs[k:k] = mlx_lm_configs(decoder, ars)
+    return configs
+
+
+def add_mlx_lm_speedups(rows: list[dict[str, Any]]) -> None:
+    """Per row: the mlx-lm row's decode tokens/s on the same prompt, dtype and temperature, and the ratio."""
+    ref = {(r["dtype"], r["prompt_id"], r["temperature"]): r["decode_tokens_per_s"] for r in rows
+           if r["decoder"] == "mlx_lm"}
     for r in rows:
-        w.writerow({k: _fmt(r.get(k, "")) for k in COLUMNS})
-    return buf.getvalue()
+        tps = ref.get((r["dtype"], r["prompt_id"], r["temperature"]), float("nan"))
+        r["mlx_lm_decode_tokens_per_s"] = tps
+        r["speedup_vs_mlx_lm"] = r["decode_tokens_per_s"] / tps if tps == tps and tps > 0 else float("nan")
 
 
-def check_label(label: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", label or ""):
-        raise UserError(f"--device {label!r}: use letters, digits, '.', '_' or '-' (it names a results folder)")
-    return label
+def profile_cell(spec: BenchSpec, cell: dict[str, Any], options: Any, prompt: dict) -> dict[str, Any]:
+    """One generation of a cell with every step phase evaluated at its boundary (`Stats.phase_s`): an honest
+    split of a step, taken after the sweep (it runs a little slower than the sweep's rows)."""
+    from mlx_redrafter import api, sweep
+
+    runner = api.load(spec.model, spec.drafter, cell["dtype"])
+    ids = api.encode_prompt(runner, prompt["prompt"])
+    sweep.decode(runner, ids, replace(options, max_tokens=min(spec.warmup_tokens, spec.max_tokens)), profile=True)
+    _, st = sweep.decode(runner, ids, options, profile=True)
+    steps = max(st.steps, 1)
+    return {"config": cell["config"], "dtype": cell["dtype"], "prompt_id": sweep.prompt_id(prompt, 0),
+            "generated_tokens": st.generated_tokens, "steps": st.steps, "tokens_per_step": st.tokens_per_step,
+            "decode_s": st.decode_s, "decode_tokens_per_s": st.decode_tokens_per_s,
+            "phase_ms_per_step": {k: 1e3 * v / steps for k, v in st.phase_s.items()},
+            "loop_ms_per_step": 1e3 * (st.decode_s - sum(st.phase_s.values())) / steps}
 
 
-def profile_cell(spec: SweepSpec, prompt: Prompt, dtype: str, W: int, L: int, max_tokens: int) -> dict[str, Any]:
-    """One generation under a timing ledger (each timed function evaluated at its boundary); returns the ledger."""
-    from mlx_redrafter import api, decode
-    from mlx_redrafter.cache import KVCache
-    from mlx_redrafter.drafter import Drafter
-    from mlx_redrafter.ledger import Ledger, instrument
-    from mlx_redrafter.model import Model
-
-    runner = api.load(spec.model, spec.drafter, dtype)
-    ids = api.encode_prompt(runner, prompt.text)
-    fns = [f for f in ("prefill", "beam_search", "pack", "verify_mask", "accept_greedy", "truncate_at_eos")
-           if callable(getattr(decode, f, None))]
-    targets: dict[Any, Any] = {decode: fns, Model: {"__call__": "Model.forward"}}
-    if "commit" in KVCache.__dict__:
-        targets[KVCache] = ["commit"]
-    drafter_fns = [f for f in ("next_state", "logits") if f in Drafter.__dict__]
-    if drafter_fns:
-        targets[Drafter] = drafter_fns
-    api.generate(runner, ids, max_tokens=min(16, max_tokens), beam_width=W, beam_length=L)  # warm-up
-    with instrument(targets), Ledger() as led:
-        res = api.generate(runner, ids, max_tokens=max_tokens, beam_width=W, beam_length=L)
-    return {"dtype": runner.target.dtype, "beam_width": W, "beam_length": L, "prompt_id": prompt.id,
-            "generated_tokens": res.stats.generated_tokens, "steps": res.stats.steps, **led.as_dict(),
-            "table": led.table()}
-
-
-def readme(meta: dict, summary: list[dict], best: dict[str, dict], files: dict[str, str]) -> str:
-    m = meta["machine"]
-    lines = [
-        f"# Benchmark results: {meta['device']}",
-        "",
-        f"Latest run `{meta['run_id']}`: model `{meta['model_name']}`, drafter `{meta['settings']['drafter']}`, "
-        f"{meta['settings']['num_prompts']} MT-bench first turns, max {meta['settings']['max_tokens']} new tokens, "
-        f"greedy, {meta['settings']['repeats']} repeat(s), W in {meta['settings']['widths']}, "
-        f"L in {meta['settings']['lengths']}.",
-        "",
-        f"Machine: {m['cpu']} ({m['cpu_cores']} cores, {m['memory_gb']} GB, {m.get('cpu_features') or '-'}), "
-        f"{m['os_pretty']}, "
-        f"MLX {m['mlx']} ({m['backend']}, {m['default_device']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}, "
-        f"Python {m['python']}.",
-        "",
-        "Best cell per dtype (speedup = mean over prompts of decode tok/s over our AR decode tok/s on the "
-        "same prompt; prefill excluded):",
-        "",
-        "| dtype | W | L | tokens/step | decode tok/s | our AR tok/s | mlx-lm tok/s | vs AR | vs mlx-lm "
-        "| output = AR |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for dtype, b in sorted(best.items()):
-        lines.append(
-            f"| {dtype} | {b['beam_width']} | {b['beam_length']} | {b['tokens_per_step']:.2f} | "
-            f"{b['decode_tokens_per_s']:.1f} | {b['ar_decode_tokens_per_s']:.1f} | "
-            f"{b['mlx_lm_decode_tokens_per_s']:.1f} | {b['speedup_vs_ar']:.2f}x | {b['speedup_vs_mlx_lm']:.2f}x | "
-            f"{100 * b['match_ar']:.0f}% |")
-    ref = [s for s in summary if s["method"] == "mlx_lm"]
-    for s in ref:
-        lines.append("")
-        lines.append(f"mlx-lm greedy ids vs ours ({s['dtype']}): {100 * s['match_ar']:.1f}% identical "
-                     f"(common prefix / length, mean over prompts).")
-    lines += ["", "Files: " + ", ".join(f"[{k}]({v})" for k, v in files.items()), ""]
-    if meta.get("profile"):
-        p = meta["profile"]
-        lines += [f"Timing ledger, {p['dtype']} W={p['beam_width']} L={p['beam_length']}, prompt {p['prompt_id']} "
-                  f"(functions evaluated at their boundary, so the total runs a little slower than the sweep):",
-                  "", "```", p["table"], "```", ""]
-    return "\n".join(lines)
-
-
-def run_bench(device: str, spec: SweepSpec, prompts_file: Path | None, num_prompts: int | None,
-              out_root: Path = RESULTS_DIR, profile: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Run the sweep and write everything; returns {"dir", "files", "best", "summary"}."""
+def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = True) -> dict[str, Any]:
+    """Run the sweep and write everything under out_root/<device>/; returns the JSON record (with `dir`)."""
+    from mlx_redrafter import api, sweep
     from mlx_redrafter.machine import machine_info
+    from mlx_redrafter.prompts import first_turns, packaged
 
-    check_label(device)
-    spec.device = device
+    from . import plots, report
+
     spec.check()
-    prompts = read_prompts(prompts_file, num_prompts)
-    out = out_root / device  # created by the first write (a run that fails early leaves no empty folder)
+    sweep.parse_drafts(spec.drafts, has_drafter=True)  # syntax, before loading anything
+    prompts = first_turns(spec.prompts_file, spec.num_prompts, spread=True)
+    out = out_root / spec.device  # created by the first write
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    csv_path, json_path = out / f"bench-{run_id}.csv", out / f"bench-{run_id}.json"
-    meta: dict[str, Any] = {
-        "device": device, "run_id": run_id, "machine": machine_info(),
-        "settings": {**asdict(spec), "model": spec.model or "default", "num_prompts": len(prompts),
-                     "prompts_file": str(prompts_file or default_prompts_file()),
-                     "prompts": [{"id": p.id, "category": p.category} for p in prompts]},
-        "speedup_definition": "mean over prompts of (decode tokens/s) / (our AR decode tokens/s, same prompt); "
-                              "decode excludes prefill; decode tokens = generated - 1",
-    }
+    stem = f"bench-{run_id}"
     started = time.perf_counter()
-
-    def save(rows: list[dict]) -> None:
-        write_text_atomic(csv_path, rows_csv(rows))
-
-    rows = sweep(spec, prompts, on_rows=save, progress=progress)
-    save(rows)
-    summary = summarize(rows)
-    best = best_cells(summary)
+    rows: list[dict[str, Any]] = []
+    states, names, options = [], {}, {}
+    for dtype in spec.dtypes:
+        runner = api.load(spec.model, spec.drafter, dtype)
+        names = {"model": runner.target.name, "drafter": runner.drafter_name}
+        configs = configs_for(spec, runner)
+        options.update({c.name: c.options for c in configs})
+        done = list(rows)
+        res = sweep.sweep(runner, prompts, configs, spec.repeats, spec.warmup_tokens,
+                          progress=sweep.print_progress if progress else None,
+                          on_prompt=lambda new, done=done: report.write_csv(out / f"{stem}.csv", done + new,
+                                                                           spec.device))
+        rows += res.rows
+        states.append({"dtype": runner.target.dtype, **res.machine_state})
+        del runner
+    add_mlx_lm_speedups(rows)
+    report.write_csv(out / f"{stem}.csv", rows, spec.device)
+    summary = sweep.summarize(rows, extra_means=("speedup_vs_mlx_lm", "mlx_lm_decode_tokens_per_s"))
+    best = sweep.best_cells(summary)
+    meta: dict[str, Any] = {
+        "device": spec.device, "run_id": run_id, "machine": machine_info(), **names,
+        "settings": {"drafts": sorted({s["draft"] for s in summary if sweep.is_cell(s)}), "widths": spec.widths,
+                     "lengths": spec.lengths, "dtypes": sorted({r["dtype"] for r in rows}),
+                     "temperatures": spec.temperatures, "max_tokens": spec.max_tokens, "num_prompts": len(prompts),
+                     "prompts_file": str(spec.prompts_file or packaged()), "repeats": spec.repeats,
+                     "warmup_tokens": spec.warmup_tokens, "mlx_lm": spec.mlx_lm,
+                     "prompts": [{"id": sweep.prompt_id(p, i), "category": p.get("category", "")}
+                                 for i, p in enumerate(prompts)]},
+        "quiet": all(s["quiet"] for s in states), "machine_state": states,
+        "speedup_definition": "mean over prompts of (decode tokens/s) / (our AR decode tokens/s, same prompt, dtype "
+                              "and temperature); decode excludes prefill and the first token",
+        "summary": summary, "best": list(best.values()),
+    }
+    if spec.profile and best:
+        top = max(best.values(), key=lambda s: (s["temperature"] == 0, s["speedup_vs_ar"]))
+        meta["profile"] = profile_cell(spec, top, options[top["config"]], prompts[0])
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
-    meta["resolved_dtypes"] = sorted({r["dtype"] for r in rows})
-    meta["model_name"] = rows[0]["model"] if rows else ""
-    meta["drafter_name"] = next((r["drafter"] for r in rows if r["method"] == "redrafter"), "")
-    meta["summary"] = summary
-    meta["best"] = best
-    if profile and best:
-        dtype, b = max(best.items(), key=lambda kv: kv[1]["decode_tokens_per_s"])
-        meta["profile"] = profile_cell(spec, prompts[0], dtype, b["beam_width"], b["beam_length"],
-                                       min(spec.max_tokens, 64))
-    from . import plots
-
-    files = {"csv": csv_path.name, "json": json_path.name,
-             **plots.plot_all(summary, plots.plot_title(meta), out, f"bench-{run_id}")}
+    files = {"csv": f"{stem}.csv", "json": f"{stem}.json", **plots.plot_all(meta, out, stem)}
     meta["files"] = files
-    write_text_atomic(json_path, json.dumps(meta, indent=2, default=str) + "\n")
-    write_text_atomic(out / "README.md", readme(meta, summary, best, files))
-    return {"dir": out, "files": files, "best": best, "summary": summary, "meta": meta}
+    report.write_json(out / f"{stem}.json", meta)
+    report.write_readme(out / "README.md", meta)
+    return {**meta, "dir": out}

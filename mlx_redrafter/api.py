@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .cache import KVCache
+from .defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
 from .drafter import Drafter, check_compatible, load_drafter, random_drafter
 from .errors import UserError
 from .generate import Stats, generate_ar, generate_speculative
@@ -22,7 +23,6 @@ from .lookup import NgramIndex, SuffixIndex
 from .sampling import GREEDY, Sampling
 from .sources import Allocator, LookupSource, RnnSource, Slot
 from .tokenizer import StreamingDetokenizer
-from .defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
 
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 DRAFT_MODES = ("auto", "rnn", "lookup", "rnn+lookup", "none")
@@ -177,6 +177,22 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
     return Allocator(slots, adaptive=options.adaptive)
 
 
+def decode(runner: Runner, ids: list[int], options: DecodeOptions, *, stats: Stats | None = None,
+           cache: KVCache | None = None, history: list[int] = (), profile: bool = False) -> Iterator[list[int]]:
+    """Decode prompt ids with these options: yields lists of new token ids as they are accepted (AR or
+    speculative); `profile=True` times every phase of a speculative step honestly (`Stats.phase_s`)."""
+    model, eos = runner.target.model, runner.tokenizer.eos_ids
+    room = model.args.max_position_embeddings - len(history) - len(ids)
+    max_tokens = min(options.max_tokens, room)
+    alloc = make_allocator(runner, options)
+    if alloc is None:
+        return generate_ar(model, ids, max_tokens=max_tokens, eos_ids=eos, sampling=options.sampling, stats=stats,
+                           cache=cache)
+    return generate_speculative(model, ids, alloc, length=options.beam_length, max_tokens=max_tokens, eos_ids=eos,
+                                sampling=options.sampling, stats=stats, cache=cache, history=list(history),
+                                profile=profile)
+
+
 def stream_generate(runner: Runner, prompt: str | list[int], options: DecodeOptions | None = None, *,
                     chat: bool = True, stats: Stats | None = None, cache: KVCache | None = None,
                     history: list[int] = (), **overrides) -> Iterator[tuple[str, list[int]]]:
@@ -187,19 +203,8 @@ def stream_generate(runner: Runner, prompt: str | list[int], options: DecodeOpti
     options = replace(options or DecodeOptions(), **overrides)
     options.check()
     ids = encode_prompt(runner, prompt, chat)
-    model, eos = runner.target.model, runner.tokenizer.eos_ids
-    room = model.args.max_position_embeddings - len(history) - len(ids)
-    max_tokens = min(options.max_tokens, room)
-    alloc = make_allocator(runner, options)
-    if alloc is None:
-        steps = generate_ar(model, ids, max_tokens=max_tokens, eos_ids=eos, sampling=options.sampling, stats=stats,
-                            cache=cache)
-    else:
-        steps = generate_speculative(model, ids, alloc, length=options.beam_length, max_tokens=max_tokens,
-                                     eos_ids=eos, sampling=options.sampling, stats=stats, cache=cache,
-                                     history=list(history))
     detok = StreamingDetokenizer(runner.tokenizer)
-    for new in steps:
+    for new in decode(runner, ids, options, stats=stats, cache=cache, history=history):
         yield detok.add(new), new
     tail = detok.flush()
     if tail:

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .cache import KVCache
 
@@ -49,29 +50,37 @@ class ModelArgs:
         return cls(**args, extra={k: v for k, v in cfg.items() if k not in known})
 
 
-def rope_frequencies(args: ModelArgs) -> tuple[float | None, float, mx.array | None]:
-    """(base, scale, freqs) for mx.fast.rope, honouring linear and llama3 rope scaling."""
+def inverse_frequencies(args: ModelArgs) -> tuple[mx.array, float]:
+    """RoPE inverse frequencies (head_dim / 2,) float32 and the position scale, honouring linear and llama3
+    rope scaling (as transformers / mlx-lm define them)."""
+    dims = args.head_dim
+    base = args.rope_theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)  # wavelength / 2pi per pair
     scaling = args.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return mx.array((1.0 / base).astype(np.float32)), 1.0
     if kind == "linear":
-        return args.rope_theta, 1.0 / float(scaling["factor"]), None
+        return mx.array((1.0 / base).astype(np.float32)), 1.0 / float(scaling["factor"])
     if kind == "llama3":
-        dims = args.head_dim
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))
         old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        freqs = args.rope_theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-        wavelens = 2 * math.pi * freqs
-        freqs = mx.where(wavelens > low_wl, freqs * factor, freqs)
-        is_medium = (wavelens > high_wl) & (wavelens < low_wl)
+        wavelens = 2 * math.pi * base
+        freqs = np.where(wavelens > old_ctx / low, base * factor, base)
+        is_medium = (wavelens > old_ctx / high) & (wavelens < old_ctx / low)
         smooth = (old_ctx / wavelens - low) / (high - low)
-        medium = freqs / ((1 - smooth) / factor + smooth)
-        return None, 1.0, mx.where(is_medium, medium, freqs)
-    if kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r}")
-    return args.rope_theta, 1.0, None
+        freqs = np.where(is_medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+        return mx.array((1.0 / freqs).astype(np.float32)), 1.0
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+@mx.compile
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate x (B, N, heads, D) by per-token angles: cos/sin (B, N, 1, D/2) (half-split layout)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
@@ -103,31 +112,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
-        self.rope_base, self.rope_scale, freqs = rope_frequencies(args)
-        if freqs is not None:
-            self._freqs = freqs  # underscore: not a parameter
-
-    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        # x: (B, N, heads, D) -> (B*N, heads, 1, D): one "batch row" per token, so each token gets its
-        # own position as the rope offset.
-        B, N, h, D = x.shape
-        y = mx.fast.rope(
-            x.reshape(B * N, h, 1, D),
-            D,
-            traditional=False,
-            base=self.rope_base,
-            scale=self.rope_scale,
-            offset=positions.reshape(-1),
-            freqs=getattr(self, "_freqs", None),
-        )
-        return y.reshape(B, N, h, D).transpose(0, 2, 1, 3)
-
     def __call__(
-        self, x: mx.array, positions: mx.array, mask: mx.array | None, cache: KVCache, layer: int
+        self, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None, cache: KVCache, layer: int
     ) -> mx.array:
         B, N, _ = x.shape
-        q = self._rope(self.q_proj(x).reshape(B, N, self.n_heads, self.head_dim), positions)
-        k = self._rope(self.k_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim), positions)
+        cos, sin = rope
+        q = apply_rope(self.q_proj(x).reshape(B, N, self.n_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
+        k = apply_rope(self.k_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         keys, values = cache.write(layer, k, v)  # (B, n_kv, S, D), S = cache.offset + N
         out = attention(q, keys, values, self.scale, mask)
@@ -154,8 +145,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x, positions, mask, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), positions, mask, cache, layer)
+    def __call__(self, x, rope, mask, cache, layer):
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -176,6 +167,7 @@ class Model(nn.Module):
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self._inv_freq, self._position_scale = inverse_frequencies(args)  # underscore: not parameters
 
     def make_cache(self, capacity: int) -> KVCache:
         """An empty KV cache for this model, pre-sized for `capacity` positions (it grows if needed)."""
@@ -218,8 +210,10 @@ class Model(nn.Module):
         if mask is None and N > 1:
             mask = causal_mask(N, cache.offset)
         x = self.embed(tokens)
+        theta = (positions.astype(mx.float32) * self._position_scale)[..., None] * self._inv_freq  # (B, N, D/2)
+        rope = (mx.cos(theta)[:, :, None, :].astype(x.dtype), mx.sin(theta)[:, :, None, :].astype(x.dtype))
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, mask, cache, i)
+            x = layer(x, rope, mask, cache, i)  # every layer rotates by the same per-token angles
         hidden = self.model.norm(x)  # (B, N, H) post-norm: what the drafter consumes
         return self.logits(hidden[:, -1:] if last_only else hidden), hidden
 

@@ -1,41 +1,81 @@
-"""Benchmark harness end to end on the real model (tiny grid): CSV rows, JSON metadata, plots, README."""
+"""The repo benchmark (`python -m bench sweep`) end to end on the real model with a tiny grid."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
+import sys
+from pathlib import Path
 
-from bench.harness import COLUMNS, SweepSpec, read_prompts
-from bench.run import run_bench
+from typer.testing import CliRunner
+
+from bench.__main__ import app
+from bench.report import COLUMNS
+from bench.run import BenchSpec, run_bench
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tiny_bench_writes_everything(tmp_path):
-    spec = SweepSpec(drafter="random:0", dtypes=["float32"], widths=[1, 2], lengths=[2], max_tokens=5,
-                     warmup_tokens=2)
-    res = run_bench("unit-test", spec, None, 1, out_root=tmp_path, profile=False, progress=False)
+def test_tiny_sweep_writes_everything(tmp_path):
+    spec = BenchSpec(device="unit-test", drafter="random:0", drafts="rnn,lookup", dtypes=["float32"], widths=[1],
+                     lengths=[2], max_tokens=5, num_prompts=1, warmup_tokens=2)
+    res = run_bench(spec, tmp_path, progress=False)
     out = tmp_path / "unit-test"
-    rows = list(csv.DictReader((out / res["files"]["csv"]).open()))
-    assert list(rows[0]) == COLUMNS
-    assert sorted((r["method"], r["beam_width"], r["beam_length"]) for r in rows) == [
-        ("ar", "0", "0"), ("mlx_lm", "0", "0"), ("redrafter", "1", "2"), ("redrafter", "2", "2")]
+    assert res["dir"] == out
+    with (out / res["files"]["csv"]).open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        rows = list(reader)
+    assert sorted(r["config"] for r in rows) == ["ar", "lookup-w1-l2", "mlx_lm", "rnn-w1-l2"]
     for r in rows:
         assert r["device"] == "unit-test" and r["dtype"] == "float32" and r["model"] == "smollm2-135m"
+        assert r["temperature"] == "0" and r["prompt_id"] == "81" and r["repeats"] == "1"
         assert int(r["generated_tokens"]) >= 1 and float(r["decode_s"]) > 0
-        assert 0.0 <= float(r["match_ar"]) <= 1.0
-        if r["method"] == "redrafter":
-            assert float(r["match_ar"]) == 1.0  # fp32 greedy: identical to AR
-            assert r["drafter"] == "random:0"
-            assert int(r["candidate_tokens"]) == int(r["beam_width"]) * 2 * int(r["steps"])
+        assert float(r["decode_s_min"]) <= float(r["decode_s"]) <= float(r["decode_s_max"])
+        assert r["load1_before"] and r["load1_after"] and r["mlx_lm_decode_tokens_per_s"]
+        if r["draft"] != "none":  # fp32 greedy: speculative output is AR's, token for token
+            assert r["equal_ar"] == "True" and float(r["match_ar"]) == 1.0
+            assert float(r["draft_s"]) >= 0 and float(r["verify_s"]) > 0
+    rnn = next(r for r in rows if r["config"] == "rnn-w1-l2")
+    assert (rnn["drafter"], rnn["beam_width"], rnn["lookup_width"]) == ("random:0", "1", "0")
+    assert int(rnn["candidate_tokens"]) == 2 * int(rnn["steps"]) and rnn["rnn_tokens_per_step"]
+    lookup = next(r for r in rows if r["config"] == "lookup-w1-l2")
+    assert (lookup["draft"], lookup["beam_width"], lookup["lookup_width"]) == ("lookup", "0", "1")
+
     meta = json.loads((out / res["files"]["json"]).read_text())
     assert meta["machine"]["backend"] in ("cpu", "metal", "cuda", "gpu") and meta["machine"]["mlx"]
-    assert meta["settings"]["widths"] == [1, 2] and meta["settings"]["num_prompts"] == 1
-    assert set(meta["best"]) == {"float32"}
+    assert isinstance(meta["quiet"], bool)
+    (state,) = meta["machine_state"]
+    assert state["before"]["loadavg"] and state["after"]["loadavg"] and state["quiet"] == meta["quiet"]
+    assert meta["settings"]["widths"] == [1] and meta["settings"]["num_prompts"] == 1
+    assert sorted(b["draft"] for b in meta["best"]) == ["lookup", "rnn"]
+    assert {s["config"] for s in meta["summary"]} == {r["config"] for r in rows}
+    assert meta["profile"]["steps"] > 0 and {"draft", "verify", "commit"} <= set(meta["profile"]["phase_ms_per_step"])
     for key in ("speedup", "tokens_per_step", "time_split"):
         assert (out / res["files"][key]).read_bytes()[:4] == b"\x89PNG"
-    assert "| float32 |" in (out / "README.md").read_text()
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
+    readme = (out / "README.md").read_text()
+    assert readme.splitlines()[2].startswith("Machine state (float32 sweep")
+    assert "| rnn | float32 | 0 | 1 | 2 |" in readme and "Step profile" in readme
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
 
 
-def test_prompts_spread_over_file():
-    ps = read_prompts(None, 8)
-    assert len(ps) == 8 and len({p.category for p in ps}) == 8  # MT-bench: 8 categories x 10
+def test_bad_input_is_one_line_error(tmp_path):
+    for args, needle in ((["sweep", "--device", "no/slash", "--out-dir", str(tmp_path)], "--device"),
+                         (["sweep", "--device", "x", "--widths", "0", "--out-dir", str(tmp_path)], "--widths"),
+                         (["sweep", "--device", "x", "--temperatures", "hot", "--out-dir", str(tmp_path)],
+                          "--temperatures"),
+                         (["sweep", "--device", "x", "--drafts", "medusa", "--out-dir", str(tmp_path)], "--drafts"),
+                         (["parity", "--device", "tpu"], "--device")):
+        res = CliRunner().invoke(app, args)
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
+            args, res.output)
+    assert not any(tmp_path.iterdir())
+
+
+def test_bench_is_a_repo_tool_not_installed():
+    text = (ROOT / "pyproject.toml").read_text()
+    find = re.search(r"\[tool\.setuptools\.packages\.find\]\s*include = (\[[^\]]*\])", text)
+    assert find and "mlx_redrafter*" in find.group(1) and "bench" not in find.group(1)
+    assert sys.modules["bench"].__file__.startswith(str(ROOT / "bench"))

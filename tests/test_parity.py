@@ -1,4 +1,6 @@
-"""MLX vs PyTorch (transformers from the same GGUF) parity on the real default model, fp32, CPU."""
+"""MLX vs PyTorch (transformers from the same GGUF) parity on the real default model, fp32, CPU.
+
+The MLX side runs the library's own step functions (mlx_redrafter.step / generate) through bench/parity.py."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def test_drafter_tree_and_packed_forward_match(target, hf, drafters, chat_ids):
     for ids in chat_ids[:PROMPTS]:
         r = drafter_tree_parity(target.model, hf, drafter, t_drafter, ids, 4, 5, "cpu")
         assert r["beams_equal"] and r["packed_equal"], r
+        assert r["step_equal"], r  # one step of step.speculative_step == the same step in PyTorch
         assert r["beam_logprob_max_abs"] <= 1e-4, r
         assert r["tree_logits_max_abs"] <= LOGITS_TOL and r["tree_hidden_max_abs"] <= LOGITS_TOL, r
         assert r["tree_argmax_match"] == 1.0, r

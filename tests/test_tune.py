@@ -1,4 +1,4 @@
-"""Auto-tune: `tune` stores a decision per machine/model/drafter, and generate/chat honour it (real model)."""
+"""Auto-tune: `tune` stores a decision per machine/model/drafter, and generate honours it (real model)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import pytest
 from typer.testing import CliRunner
 
 from mlx_redrafter import tuning
-from mlx_redrafter.cli import app
+from mlx_redrafter.cmd.main import app
+from mlx_redrafter.defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH
+from mlx_redrafter.sweep import decide
 
 PROMPT = "Name three primary colors."
+NO_FLAGS = {"draft": None, "beam_width": None, "beam_length": None, "lookup_width": None}
 
 
 @pytest.fixture()
@@ -26,71 +29,88 @@ def _generate(*flags: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_resolve_order_without_model(tuned_file):
-    """Flags beat the tuned entry, the tuned entry beats the built-in default; --no-draft always wins."""
-    assert tuning.resolve(None, "random:0", None, None, "auto", False).source == "default"
-    d = tuning.resolve(None, "random:0", None, None, "auto", False)
-    assert (d.beam_width, d.beam_length, d.no_draft) == (tuning.DEFAULT_BEAM_WIDTH, tuning.DEFAULT_BEAM_LENGTH, False)
-    tuning.store(None, "random:0", {"decision": "redrafter", "beam_width": 2, "beam_length": 3, "dtype": "float32"})
-    d = tuning.resolve(None, "random:0", None, None, "auto", False)
-    assert (d.beam_width, d.beam_length, d.dtype, d.source) == (2, 3, "float32", "tuned")
-    d = tuning.resolve(None, "random:0", 3, None, "auto", False)
-    assert (d.beam_width, d.beam_length, d.source) == (3, tuning.DEFAULT_BEAM_LENGTH, "flags")
-    assert tuning.resolve(None, "random:0", None, None, "auto", True).no_draft
-    assert tuning.resolve(None, "random:1", None, None, "auto", False).source == "default"  # other drafter
-    assert tuning.resolve(None, "none", None, None, "auto", False).source == "default"
+def test_resolve_order(tuned_file):
+    """Flags beat the tuned entry, the tuned entry beats the built-in defaults; entries are per drafter."""
+    d = tuning.resolve(None, "random:0", NO_FLAGS, "auto")
+    assert d.source == "default"
+    assert (d.options.beam_width, d.options.beam_length) == (DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH)
+    tuning.store(None, "random:0", {"decision": "speculative", "draft": "rnn", "beam_width": 2, "beam_length": 4,
+                                    "dtype": "float32"})
+    d = tuning.resolve(None, "random:0", NO_FLAGS, "auto")
+    assert (d.options.draft, d.options.beam_width, d.options.beam_length, d.dtype, d.source) == (
+        "rnn", 2, 4, "float32", "tuned")
+    d = tuning.resolve(None, "random:0", {**NO_FLAGS, "beam_width": 3}, "auto")
+    assert (d.options.beam_width, d.options.beam_length, d.source) == (3, DEFAULT_BEAM_LENGTH, "flags")
+    assert tuning.resolve(None, "random:0", {**NO_FLAGS, "draft": "none"}, "auto").options.draft == "none"
+    assert tuning.resolve(None, "random:1", NO_FLAGS, "auto").source == "default"  # another drafter
+    assert tuning.resolve(None, "none", NO_FLAGS, "auto").source == "default"
 
 
 def test_corrupt_tuned_file_is_one_line_error(tuned_file):
     tuned_file.write_text("{not json")
-    res = CliRunner().invoke(app, ["generate", "-p", PROMPT, "--drafter", "random:0"])
-    assert res.exit_code == 2
-    assert "tuned settings file" in res.output and "Traceback" not in res.output
+    for args in (["generate", "-p", PROMPT, "--drafter", "random:0"], ["tune", "--drafter", "random:0", "--force"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, res.output
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: tuned settings file"), res.output
+
+
+def test_bad_tune_arguments_are_one_line_errors(tuned_file):
+    for args, needle in ((["--widths", "a"], "--widths"), (["--drafts", "medusa"], "--drafts"),
+                         (["--max-tokens", "1"], "--max-tokens")):
+        res = CliRunner().invoke(app, ["tune", "--drafter", "random:0", "--force", *args])
+        assert res.exit_code == 2 and res.output.startswith("error: ") and needle in res.output, res.output
+    assert not tuned_file.exists()
 
 
 def test_tune_then_generate_uses_decision(tuned_file):
-    """A tune that no cell can win (min speedup 1000x) stores AR; generate then decodes AR; a stored cell is used."""
-    res = CliRunner().invoke(app, ["tune", "--drafter", "random:0", "--widths", "1", "--lengths", "2",
-                                   "--num-prompts", "1", "--max-tokens", "4", "--min-speedup", "1000"])
+    """An impossible --min-speedup stores AR and generate decodes AR; a stored cell is used; flags win."""
+    res = CliRunner().invoke(app, ["tune", "--drafter", "random:0", "--drafts", "rnn", "--widths", "1",
+                                   "--lengths", "2", "--num-prompts", "1", "--max-tokens", "4", "--min-speedup",
+                                   "1000", "--force"])
     assert res.exit_code == 0, res.output
-    entries = json.loads(tuned_file.read_text())["entries"]
-    assert len(entries) == 1
-    (key, entry), = entries.items()
+    (key, entry), = json.loads(tuned_file.read_text())["entries"].items()
     assert key.endswith("|smollm2-135m|random:0")
-    assert entry["decision"] == "ar" and entry["dtype"] == "float32"
-    assert [(c["beam_width"], c["beam_length"]) for c in entry["cells"]] == [(1, 2)]
+    assert (entry["decision"], entry["draft"], entry["dtype"]) == ("ar", "none", "float32")
+    assert [c["config"] for c in entry["cells"]] == ["ar", "rnn-w1-l2"]
+    assert isinstance(entry["machine_state"]["quiet"], bool)
 
     out = _generate()
-    assert (out["drafter"], out["beam_width"], out["settings_source"]) == ("none", 0, "tuned")
+    assert (out["draft"], out["drafter"], out["beam_width"], out["settings_source"]) == ("none", "none", 0, "tuned")
     ar_tokens = out["tokens"]
 
-    tuning.store(None, "random:0", {"decision": "redrafter", "beam_width": 2, "beam_length": 3, "dtype": "float32"})
+    tuning.store(None, "random:0", {"decision": "speculative", "draft": "rnn", "beam_width": 2, "beam_length": 3,
+                                    "dtype": "float32"})
     out = _generate()
-    got = (out["drafter"], out["beam_width"], out["beam_length"], out["settings_source"])
-    assert got == ("random:0", 2, 3, "tuned")
-    assert out["steps"] > 0 and out["candidate_tokens"] == 6 * out["steps"]
-    assert out["tokens"] == ar_tokens  # greedy fp32: speculative output equals AR
+    assert (out["draft"], out["drafter"], out["beam_width"], out["beam_length"], out["settings_source"]) == (
+        "rnn", "random:0", 2, 3, "tuned")
+    assert out["steps"] > 0 and out["tokens"] == ar_tokens  # greedy fp32: speculative output equals AR
 
-    out = _generate("-w", "1", "-l", "2")  # explicit flags win over the tuned cell
+    out = _generate("-w", "1", "-l", "2")  # explicit flags win over the tuned entry
     assert (out["beam_width"], out["beam_length"], out["settings_source"]) == (1, 2, "flags")
 
 
-def _cell(dtype: str, method: str, w: int, L: int, tps: float, speedup: float, tok_s: float) -> dict:
-    return {"dtype": dtype, "method": method, "beam_width": w, "beam_length": L, "tokens_per_step": tps,
-            "speedup_vs_ar": speedup, "decode_tokens_per_s": tok_s, "match_ar": 1.0}
+def _cell(config: str, draft: str, tps: float, speedup: float, tok_s: float, dtype: str = "float32") -> dict:
+    return {"config": config, "decoder": "ours", "draft": draft, "dtype": dtype, "temperature": 0.0,
+            "beam_width": 2 if "rnn" in draft else 0, "beam_length": 0 if draft == "none" else 4,
+            "lookup_width": 1 if "lookup" in draft else 0, "tokens_per_step": tps, "speedup_vs_ar": speedup,
+            "decode_tokens_per_s": tok_s, "ar_decode_tokens_per_s": tok_s / speedup, "equal_ar": 1.0,
+            "source_tokens_per_step": {}}
 
 
 def test_decide_rules():
-    """Needs > MIN_TOKENS_PER_STEP and >= min_speedup to pick a cell; across dtypes the fastest wins."""
-    from bench.tune import decide
-
-    ar = _cell("float32", "ar", 0, 0, 1.0, 1.0, 10.0)
-    noise = _cell("float32", "redrafter", 1, 2, 1.0, 1.2, 12.0)  # no token gained per call: timing noise
+    """A cell needs >= 1.1 tokens per call and >= min_speedup; across dtypes the fastest wins; unused widths
+    are not stored."""
+    ar = _cell("ar", "none", 1.0, 1.0, 10.0)
+    noise = _cell("rnn-w2-l4", "rnn", 1.0, 1.2, 12.0)  # no token gained per call: timing noise
     assert decide([ar, noise], 1.03)["decision"] == "ar"
-    good = _cell("float32", "redrafter", 2, 4, 2.1, 1.5, 15.0)
-    assert (decide([ar, noise, good], 1.03)["beam_width"], decide([ar, noise, good], 1.03)["beam_length"]) == (2, 4)
+    good = _cell("lookup-w1-l4", "lookup", 2.1, 1.5, 15.0)
+    got = decide([ar, noise, good], 1.03)
+    assert (got["decision"], got["draft"], got["beam_length"], got["lookup_width"]) == ("speculative", "lookup", 4, 1)
+    assert "beam_width" not in got
     assert decide([ar, good], 1.6)["decision"] == "ar"
-    fp16_ar = _cell("float16", "ar", 0, 0, 1.0, 1.0, 20.0)
-    fp16 = _cell("float16", "redrafter", 1, 3, 1.8, 1.04, 20.8)
-    got = decide([ar, good, fp16_ar, fp16], 1.03)
-    assert (got["decision"], got["dtype"], got["beam_width"]) == ("redrafter", "float16", 1)
+    mlx_lm = {**_cell("mlx_lm", "none", 1.0, 3.0, 30.0), "decoder": "mlx_lm"}  # an external baseline never wins
+    fp16_ar = _cell("ar", "none", 1.0, 1.0, 20.0, "float16")
+    fp16 = _cell("rnn-w2-l4", "rnn", 1.8, 1.04, 20.8, "float16")
+    got = decide([ar, good, mlx_lm, fp16_ar, fp16], 1.03)
+    assert (got["decision"], got["dtype"], got["beam_width"]) == ("speculative", "float16", 2)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,7 +32,8 @@ def _emit(out: list[int], new: list[int], max_tokens: int, eos: set[int]) -> boo
 
 
 @torch.no_grad()
-def greedy_ar(model, prompt: list[int], max_tokens: int, eos_ids=(), device: str = "cpu") -> list[int]:
+def greedy_ar(model: Any, prompt: list[int], max_tokens: int, eos_ids: Iterable[int] = (),
+              device: str = "cpu") -> list[int]:
     """Plain greedy decoding with a KV cache; prompt at positions 0..n-1."""
     cache = new_cache(model)
     logits, _ = forward(model, torch.tensor([prompt], device=device), cache)
@@ -44,8 +47,9 @@ def greedy_ar(model, prompt: list[int], max_tokens: int, eos_ids=(), device: str
 
 
 @torch.no_grad()
-def greedy_redrafter(model, drafter: TorchDrafter, prompt: list[int], max_tokens: int, eos_ids=(),
-                     width: int = 4, length: int = 5, device: str = "cpu") -> tuple[list[int], RefStats]:
+def greedy_redrafter(model: Any, drafter: TorchDrafter, prompt: list[int], max_tokens: int,
+                     eos_ids: Iterable[int] = (), width: int = 4, length: int = 5,
+                     device: str = "cpu") -> tuple[list[int], RefStats]:
     """Greedy ReDrafter: draft W beams, pack, verify with a tree mask, accept the longest match, commit its KV."""
     stats = RefStats()
     cache = new_cache(model)

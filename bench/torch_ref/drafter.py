@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,19 +73,7 @@ def random_torch_drafter(hidden_size: int, vocab_size: int, exit_dim: int | None
     return d.float().eval()
 
 
-def load_torch_drafter(path: str | Path, device: str = "cpu") -> TorchDrafter:
-    """Load an Apple-format drafter directory (config.json + model.safetensors) into a TorchDrafter (fp32)."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    cfg = json.loads((p / "config.json").read_text())
-    d = TorchDrafter(cfg)
-    sd = load_file(str(p / "model.safetensors"))
-    d.load_state_dict({k: v if k == "draft_vocab" else v.float() for k, v in sd.items()}, strict=True)
-    return d.float().eval().to(device)
-
-
-def from_mlx(drafter, device: str = "cpu") -> TorchDrafter:
+def from_mlx(drafter: Any, device: str = "cpu") -> TorchDrafter:
     """A TorchDrafter holding the weights of an mlx_redrafter Drafter (fp32)."""
     import mlx.core as mx
     import numpy as np

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mlx_redrafter.errors import UserError
 
 
-def load_hf_target(spec: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def load_hf_target(spec: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     """LlamaForCausalLM from the same GGUF (dequantized by transformers) or an unquantized mlx-lm / HF directory."""
     import transformers
     from transformers import AutoModelForCausalLM
@@ -33,7 +34,7 @@ def load_hf_target(spec: str | None = None, device: str = "cpu", dtype: torch.dt
     return model.to(device).eval()
 
 
-def new_cache(model):
+def new_cache(model: Any) -> Any:
     """An empty transformers DynamicCache for this model."""
     from transformers import DynamicCache
 
@@ -43,17 +44,12 @@ def new_cache(model):
         return DynamicCache()
 
 
-def cache_len(cache) -> int:
+def cache_len(cache: Any) -> int:
+    """Entries in a transformers cache."""
     return int(cache.get_seq_length())
 
 
-def _kv_lists(cache) -> list[tuple[object, str, str]]:
-    if hasattr(cache, "layers"):  # transformers >= 4.56 / 5
-        return [(layer, "keys", "values") for layer in cache.layers]
-    return [(cache, f"key_cache[{i}]", f"value_cache[{i}]") for i in range(len(cache.key_cache))]  # older
-
-
-def commit_path(cache, context_len: int, path: list[int]) -> None:
+def commit_path(cache: Any, context_len: int, path: list[int]) -> None:
     """Keep the committed context plus the scratch entries `path` (indices after the context), in that order."""
     if hasattr(cache, "layers"):
         for layer in cache.layers:
@@ -71,7 +67,7 @@ def commit_path(cache, context_len: int, path: list[int]) -> None:
 
 
 @torch.no_grad()
-def forward(model, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
+def forward(model: Any, tokens: torch.Tensor, cache: Any = None, positions: torch.Tensor | None = None,
             allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, post-norm hidden) for tokens (1, N); `allowed` (N, ctx + N) bool = which keys each token sees.
 

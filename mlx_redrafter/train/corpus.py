@@ -324,9 +324,17 @@ class Corpus:
                 "prompts": sum(x["sequences"] for x in e if x["turn"] == 1)}
 
     def write_shard(self, name: str, data: bytes, entry: dict[str, Any]) -> None:
+        """Write a shard, then record it in the manifest (locked: several workers may extend one corpus)."""
+        import fcntl
+
         write_atomic(self.root / name, data)
-        self.entries[name] = {**entry, "sha256": hashlib.sha256(data).hexdigest()}
-        self.save()
+        with open(self.root / ".manifest.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.manifest_path.exists():  # entries other workers added meanwhile
+                self.manifest["shards"] = {**json.loads(self.manifest_path.read_text()).get("shards", {}),
+                                           **self.entries}
+            self.entries[name] = {**entry, "sha256": hashlib.sha256(data).hexdigest()}
+            self.save()
 
     def save(self) -> None:
         write_atomic(self.manifest_path, json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
@@ -346,12 +354,14 @@ def follow_up_suffix(target: Target, text: str) -> list[int]:
 
 def build(target: Target, prompts_file: str | Path, root: str | Path, settings: Settings | None = None, *,
           max_shards: int | None = None, hours: float | None = None, features_dir: str | Path | None = None,
-          progress: bool = True, log: Callable[[str], None] = print) -> Corpus:
+          worker: tuple[int, int] = (0, 1), progress: bool = True, log: Callable[[str], None] = print) -> Corpus:
     """Extend the corpus at `root` with the next missing shards of the plan; returns the corpus.
 
     Resumable: finished shards are kept; a corrupt or unlisted shard file is regenerated (and said so).
     `max_shards` / `hours` bound the work of this run (a shard is never cut in the middle). With
-    `features_dir`, the hidden states computed while generating are kept there (see features.py).
+    `features_dir`, the hidden states computed while generating are kept there (see features.py). With
+    `worker=(i, n)`, this process makes only the shards whose index is i modulo n, so n processes (one per
+    core, one BLAS thread each) can extend one corpus together.
     """
     from ..prompts import read_prompts
 
@@ -373,7 +383,7 @@ def build(target: Target, prompts_file: str | Path, root: str | Path, settings: 
         m.update(ident)
         m["engine"] = "MLX batched greedy, the runtime's own model (mlx_redrafter.train.corpus.generate_greedy)"
         m["licenses"] = LICENSES
-    jobs = plan_jobs(len(order), s)
+    jobs = [j for j in plan_jobs(len(order), s) if j.index % worker[1] == worker[0]]
     todo = []
     for job in jobs:
         problem = corpus.check(job.name)
@@ -401,6 +411,9 @@ def build(target: Target, prompts_file: str | Path, root: str | Path, settings: 
                 log(f"time budget of {hours} h reached: stopping before {job.name}")
                 break
             t0 = time.perf_counter()
+            if job.turn == 2 and any(corpus.check(f"shard-{p:05d}.npz") for p in job.parents):
+                log(f"{job.name}: its turn-1 shards are not all there yet (another worker?): skipped for now")
+                continue
             if job.turn == 1:
                 ids = [tok.encode_chat([{"role": "user", "content": rows[order[r]]["prompt"]}])
                        for r in job.rows]

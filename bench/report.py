@@ -1,0 +1,128 @@
+"""Benchmark outputs: the CSV (one row per prompt x configuration), the JSON record and README.md."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from mlx_redrafter.files import write_atomic
+
+COLUMNS = [
+    "device", "model", "drafter", "dtype", "config", "decoder", "draft", "beam_width", "beam_length", "lookup_width",
+    "lookup", "temperature", "prompt_id", "category", "prompt_tokens", "generated_tokens", "steps",
+    "tokens_per_step", "rnn_tokens_per_step", "lookup_tokens_per_step", "verified_tokens", "candidate_tokens",
+    "prefill_s", "decode_s", "decode_s_min", "decode_s_max", "decode_s_runs", "repeats", "decode_tokens_per_s",
+    "ar_decode_tokens_per_s", "mlx_lm_decode_tokens_per_s", "speedup_vs_ar", "speedup_vs_mlx_lm", "equal_ar",
+    "match_ar", "draft_s", "verify_s", "peak_memory_gb", "stop_reason", "load1_before", "load1_after",
+]
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    if isinstance(v, list):
+        return ";".join(str(x) for x in v)
+    return v
+
+
+def csv_row(row: dict[str, Any], device: str) -> dict[str, Any]:
+    """A sweep row flattened to COLUMNS (per-source tokens per step and the step phases as columns)."""
+    flat = {**row, "device": device}
+    for src in ("rnn", "lookup"):
+        flat[f"{src}_tokens_per_step"] = row["source_tokens_per_step"].get(src, "")
+    for phase in ("draft", "verify"):
+        flat[f"{phase}_s"] = row["phase_s"].get(phase, "")
+    return {k: _cell(flat.get(k, "")) for k in COLUMNS}
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], device: str) -> None:
+    """All rows so far, written atomically (a partial run keeps its finished prompts)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow(csv_row(r, device))
+    write_atomic(path, buf.getvalue())
+
+
+def write_json(path: Path, meta: dict[str, Any]) -> None:
+    """The run's record (NaN written as null)."""
+    write_atomic(path, json.dumps(_nan_to_none(meta), indent=2, default=str) + "\n")
+
+
+def _nan_to_none(x: Any) -> Any:
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+def machine_state_lines(meta: dict[str, Any]) -> list[str]:
+    """The machine state the run was taken in, for the top of the README."""
+    lines = []
+    for s in meta["machine_state"]:
+        b, a = s["before"], s["after"]
+        head = "quiet" if s["quiet"] else "**NOT quiet: timings are not representative of this machine**"
+        lines.append(f"Machine state ({s['dtype']} sweep, {s['during']['seconds']} s): {head}. 1/5/15-min load "
+                     f"average before {'/'.join(map(str, b['loadavg']))}, after {'/'.join(map(str, a['loadavg']))} "
+                     f"({s['cores']} cores; this process used {s['during']['own_cores']} cores on average).")
+        lines += [f"- {r}" for r in s["reasons"]]
+        lines.append("")
+    return lines
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def readme(meta: dict[str, Any]) -> str:
+    """README.md of a results folder: machine state first, then the best cells and the profile."""
+    m, st = meta["machine"], meta["settings"]
+    lines = [f"# Benchmark results: {meta['device']}", "", *machine_state_lines(meta),
+             f"Latest run `{meta['run_id']}`: model `{meta.get('model', '')}`, drafter `{meta.get('drafter', '')}`, "
+             f"{st['num_prompts']} prompts ({Path(st['prompts_file']).name}), max {st['max_tokens']} new tokens, "
+             f"temperatures {st['temperatures']}, {st['repeats']} repeat(s) (median kept), draft modes {st['drafts']}, "
+             f"widths {st['widths']}, lengths {st['lengths']}; {meta['elapsed_s']} s.", "",
+             f"Machine: {m['cpu']} ({m['cpu_cores']} cores, {m['memory_gb']} GB, {m.get('cpu_features') or '-'}), "
+             f"{m['os_pretty']}, MLX {m['mlx']} ({m['backend']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}, "
+             f"Python {m['python']}.", "",
+             "Best cell per draft mode (speedup = mean over prompts of decode tok/s over our AR's on the same prompt; "
+             "prefill excluded; width = W for rnn modes, lookup width for lookup):", "",
+             "| draft | dtype | T | width | L | tokens/step | decode tok/s | our AR tok/s | mlx-lm tok/s | vs AR "
+             "| vs mlx-lm | ids = AR |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], -b["speedup_vs_ar"])):
+        width = b["beam_width"] if "rnn" in b["draft"] else b["lookup_width"]
+        lines.append(
+            f"| {b['draft']} | {b['dtype']} | {b['temperature']:g} | {width} | {b['beam_length']} | "
+            f"{b['tokens_per_step']:.2f} | {b['decode_tokens_per_s']:.1f} | {b['ar_decode_tokens_per_s']:.1f} | "
+            f"{_f(b.get('mlx_lm_decode_tokens_per_s'), '.1f')} | {b['speedup_vs_ar']:.2f}x | "
+            f"{_f(b.get('speedup_vs_mlx_lm'), '.2f')}x | {100 * b['equal_ar']:.0f}% |")
+    for s in meta["summary"]:
+        if s["decoder"] == "mlx_lm":
+            lines += ["", f"mlx-lm ids vs ours ({s['dtype']}, T={s['temperature']:g}): {100 * s['equal_ar']:.0f}% of "
+                          f"prompts identical, common prefix {100 * s['match_ar']:.1f}% of the length on average."]
+    files = meta.get("files", {})
+    lines += ["", "Files: " + ", ".join(f"[{k}]({v})" for k, v in files.items()), ""]
+    p = meta.get("profile")
+    if p:
+        total = sum(p["phase_ms_per_step"].values()) + p["loop_ms_per_step"]
+        lines += [f"Step profile of `{p['config']}` ({p['dtype']}), prompt {p['prompt_id']}, {p['steps']} steps, "
+                  f"{p['tokens_per_step']:.2f} tokens/step (each phase evaluated at its boundary, so it runs a little "
+                  f"slower than the sweep):", "", "| phase | ms per step | share |", "|---|---|---|"]
+        for k, v in [*p["phase_ms_per_step"].items(), ("loop (emit, sources, stats)", p["loop_ms_per_step"])]:
+            lines.append(f"| {k} | {v:.2f} | {100 * v / total if total else 0:.0f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_readme(path: Path, meta: dict[str, Any]) -> None:
+    """README.md of the results folder (atomically)."""
+    write_atomic(path, readme(meta))

@@ -1,0 +1,50 @@
+"""The machine-state guard (mlx_redrafter.machine_state) in a real sweep: a busy machine is flagged, and tune
+refuses to store its result."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from mlx_redrafter import sweep
+from mlx_redrafter.api import Runner
+from mlx_redrafter.cmd.main import app
+
+
+@pytest.fixture()
+def spinner():
+    """A process burning one core for the duration of a test (always killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_busy_machine_is_flagged(target, spinner, capsys):
+    runner = Runner(target=target, drafter=None, drafter_name="none")
+    configs = sweep.grid_configs(["lookup"], [1], [2], max_tokens=3)
+    res = sweep.sweep(runner, [{"prompt": "Say hi."}], configs, warmup_tokens=2, watch_interval=0.5)
+    state = res.machine_state
+    assert not res.quiet and state["quiet"] is False
+    for when in ("before", "during", "after"):
+        assert spinner.pid in [p["pid"] for p in state[when]["busy"]], (when, state)
+    assert any(f"pid {spinner.pid}" in r for r in state["reasons"])
+    assert f"pid {spinner.pid}" in capsys.readouterr().err  # the loud warning
+    assert [r["config"] for r in res.rows] == ["ar", "lookup-w1-l2"] and all(r["equal_ar"] for r in res.rows)
+
+
+def test_tune_refuses_to_store_on_a_busy_machine(tmp_path, monkeypatch, spinner):
+    tuned = tmp_path / "tuned.json"
+    monkeypatch.setenv("REDRAFTER_TUNED_FILE", str(tuned))
+    res = CliRunner().invoke(app, ["tune", "--drafter", "random:0", "--num-prompts", "1", "-n", "3"])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert lines[0].startswith("error: the machine is busy") and f"pid {spinner.pid}" in lines[0]
+    assert "--force" in lines[0] and not tuned.exists()
