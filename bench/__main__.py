@@ -1,4 +1,4 @@
-"""`python -m bench sweep|parity` (run from the repository root; bench/ is a repo tool, not installed)."""
+"""`python -m bench sweep|parity|ablate` (run from the repository root; bench/ is a repo tool, not installed)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,32 @@ def parity(
                  log=lambda m: typer.echo(m, err=True))
     typer.echo(markdown(report))
     typer.echo(f"wrote {out / 'parity.json'} and {out / 'parity.md'}")
+
+
+@app.command()
+@c.one_line_errors
+def ablate(
+    variants: str = typer.Option("base", help="Comma-separated variant names (see bench/ablate.py VARIANTS), or "
+                                              "'all'."),
+    corpus: Path = typer.Option(Path("data/corpus/smollm2-135m"), help="Corpus directory."),
+    features: Path = typer.Option(Path(".cache/features/smollm2-135m"), help="Feature cache."),
+    runs: Path = typer.Option(Path("runs/ablation"), help="Run directories (resumable)."),
+    device: str = typer.Option("cpu", help="Results go to bench/results/DEVICE/."),
+    steps: int = typer.Option(2000, help="Optimizer steps of every variant (one budget for all)."),
+    eval_prompts: int = typer.Option(24, help="Held-out prompts decoded per variant."),
+    eval_tokens: int = typer.Option(128, help="New tokens per held-out prompt."),
+) -> None:
+    """Drafter recipe ablations (labels, size, draft vocab, T, regularisation, corpus size) on one held-out slice."""
+    from .ablate import VARIANTS, run_ablation
+
+    names = list(VARIANTS) if variants == "all" else [v.strip() for v in variants.split(",") if v.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise UserError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    out = Path(__file__).resolve().parent / "results" / device
+    run_ablation(names, corpus, features, runs, out, {"steps": steps}, eval_prompts, eval_tokens,
+                 [(1, 4), (4, 4)], log=lambda m: typer.echo(m, err=True))
+    typer.echo(f"wrote {out / 'drafter-ablation.md'}")
 
 
 def main() -> None:

@@ -11,20 +11,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import hub, registry
 from .errors import UserError
 from .gguf import gguf_config, gguf_weights, read_gguf
 from .model import Model, ModelArgs
+from .templates import pick_template
 from .tokenizer import TextTokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Short names users type, mapped to Hugging Face repos (mlx-lm directories).
-ALIASES = {
-    "vicuna-7b-4bit": "mlx-community/vicuna-7b-v1.5-4bit",
-    "vicuna-7b": "lmsys/vicuna-7b-v1.5",
-    "llama-3.2-1b-4bit": "mlx-community/Llama-3.2-1B-Instruct-4bit",
-    "smollm2-135m-mlx": "mlx-community/SmolLM2-135M-Instruct",
-}
+# Short names users type, mapped to Hugging Face repos (the full entries live in registry.py).
+ALIASES = {m.name: m.repo + (f"/{m.file}" if m.file else "") for m in registry.MODELS if m.repo}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "quantized")
 
@@ -52,30 +49,27 @@ def default_model_path() -> Path:
 
 
 def resolve_model(spec: str | None) -> tuple[str, Path]:
-    """(display name, local path) for a model spec: None/default, a .gguf, a directory, or a hub repo."""
+    """(display name, local path) for a model spec: None/default, a registry name, a .gguf file, a directory,
+    a Hugging Face repo id (owner/name) or one GGUF file in a repo (owner/name/file.gguf)."""
     if spec in (None, "", "default", DEFAULT_MODEL):
         return DEFAULT_MODEL, default_model_path()
     p = Path(spec).expanduser()
     if p.exists():
-        return p.name, p
-    if spec.endswith(".gguf") or spec.startswith((".", "/", "~")):
+        return p.resolve().name, p
+    entry = registry.get(spec)
+    if entry is not None:
+        return entry.name, hub.fetch(entry.repo, entry.file, label=entry.name)
+    if spec.startswith((".", "/", "~")) or (spec.endswith(".gguf") and spec.count("/") != 2):
         raise UserError(f"model file {spec} does not exist")
-    repo = ALIASES.get(spec, spec)
-    if repo.count("/") != 1:
+    if spec.count("/") == 2 and spec.endswith(".gguf"):
+        owner, name, file = spec.split("/")
+        return spec, hub.fetch(f"{owner}/{name}", file)
+    if spec.count("/") != 1 or not all(spec.split("/")):
         raise UserError(
             f"unknown model {spec!r}: give a .gguf file, an mlx-lm directory, a Hugging Face repo id "
-            f"(owner/name) or one of: {', '.join([DEFAULT_MODEL, *ALIASES])}"
+            f"(owner/name) or one of: {', '.join(registry.REGISTRY)}"
         )
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model"])
-    except Exception as e:
-        raise UserError(
-            f"cannot fetch {repo} from the Hugging Face hub ({type(e).__name__}); connect to the internet "
-            f"once to cache it, or pass a local directory with --model"
-        ) from None
-    return spec, Path(local)
+    return spec, hub.fetch(spec)
 
 
 def pick_dtype(dtype: str, quantized_source: bool) -> str:
@@ -91,7 +85,8 @@ def pick_dtype(dtype: str, quantized_source: bool) -> str:
     return "quantized" if quantized_source else "float16"
 
 
-def _dequantize_all(weights: dict[str, mx.array], quant: dict[str, dict], dtype: mx.Dtype) -> dict[str, mx.array]:
+def dequantize_weights(weights: dict[str, mx.array], quant: dict[str, dict], dtype: mx.Dtype) -> dict[str, mx.array]:
+    """Every quantized module's weight dequantized (lazily) to `dtype`; other float tensors cast to it."""
     out: dict[str, mx.array] = {}
     for module, q in quant.items():
         # Dequantize in float32: GGUF scales/biases are float16 and mx.dequantize computes in their dtype.
@@ -126,7 +121,7 @@ def build_model(cfg: dict[str, Any], weights: dict[str, mx.array], quant: dict[s
         weights = {k: (v.astype(act) if k.rsplit(".", 1)[0] not in quant and mx.issubdtype(v.dtype, mx.floating)
                        else v) for k, v in weights.items()}
     else:
-        weights = _dequantize_all(weights, quant, DTYPES[dtype])
+        weights = dequantize_weights(weights, quant, DTYPES[dtype])
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -139,18 +134,26 @@ def _load_dir(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], T
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise UserError(f"{path} is not a model directory (no config.json)")
-    cfg = json.loads(cfg_file.read_text())
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {cfg_file}: {type(e).__name__}") from None
     if cfg.get("model_type") not in ("llama", "mistral", None):
         raise UserError(f"model_type {cfg.get('model_type')!r} is not supported (Llama-family only)")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise UserError(f"{path} has no *.safetensors weights")
+        bins = " (PyTorch .bin weights are not read: re-save the model with safetensors)" if any(
+            path.glob("*.bin")) else ""
+        raise UserError(f"{path} has no *.safetensors weights{bins}")
     weights: dict[str, mx.array] = {}
     for f in files:
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
             raise UserError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}  # HF buffers, recomputed
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" in weights:
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     qcfg = cfg.get("quantization") or cfg.get("quantization_config") or {}
     quant: dict[str, dict] = {}
     for k in weights:
@@ -163,20 +166,31 @@ def _load_dir(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], T
     return cfg, weights, quant, TextTokenizer.from_dir(path, cfg)
 
 
+def read_checkpoint(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], TextTokenizer]:
+    """(config, weights in mlx-lm naming, per-module quantization, tokenizer) of a directory or GGUF file."""
+    if path.is_dir():
+        return _load_dir(path)
+    if path.stat().st_size == 0:
+        raise UserError(f"model file {path} is empty")
+    tensors, meta = read_gguf(str(path))
+    cfg = gguf_config(meta)
+    weights, quant = gguf_weights(tensors, cfg)
+    return cfg, weights, quant, TextTokenizer.from_gguf_metadata(meta)
+
+
+def apply_template(tokenizer: TextTokenizer, name: str, path: Path, cfg: dict[str, Any]) -> None:
+    """Choose the chat template: the model's own, else the registry's built-in for it (e.g. Vicuna's)."""
+    entry = registry.get(name)
+    hint = f"{name} {path.name} {cfg.get('_name_or_path', '')}"
+    template, source = pick_template(tokenizer.chat_template, entry.template if entry else None, hint)
+    tokenizer.set_template(template, source)
+
+
 def load_target(spec: str | None = None, dtype: str = "auto") -> Target:
     """Load a target model and tokenizer; one-line UserError on any bad input."""
     name, path = resolve_model(spec)
-    if path.is_dir():
-        cfg, weights, quant, tokenizer = _load_dir(path)
-    else:
-        if path.stat().st_size == 0:
-            raise UserError(f"model file {path} is empty")
-        tensors, meta = read_gguf(str(path))
-        cfg = gguf_config(meta)
-        weights, quant = gguf_weights(tensors, cfg)
-        tokenizer = TextTokenizer.from_gguf_metadata(meta)
+    cfg, weights, quant, tokenizer = read_checkpoint(path)
+    apply_template(tokenizer, name, path, cfg)
     chosen = pick_dtype(dtype, bool(quant))
     model = build_model(cfg, weights, quant, chosen)
     return Target(model=model, tokenizer=tokenizer, name=name, path=path, dtype=chosen)
-
-

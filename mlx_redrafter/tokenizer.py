@@ -1,15 +1,16 @@
-"""Tokenizer: byte-level BPE from GGUF metadata or an HF `tokenizer.json`, chat template, eos ids."""
+"""Tokenizers: byte-level BPE (GGUF metadata, HF `tokenizer.json`) and SentencePiece (`tokenizer.model`, GGUF
+`llama`), the chat template, eos ids, and streaming detokenization that never splits a UTF-8 character."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from . import spm, templates
 from .errors import UserError
 
 _EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -21,15 +22,21 @@ _LLAMA3_RE = (
 )
 
 
-class TextTokenizer:
-    """Encode/decode text, render chat prompts, and know which ids end a generation."""
+class Backend(Protocol):
+    def encode(self, text: str) -> list[int]: ...
 
-    def __init__(self, tok: Tokenizer, chat_template: str | None, eos_ids: Iterable[int],
-                 bos_token: str = "", eos_token: str = ""):
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_to_id(self, text: str) -> int | None: ...
+
+    def id_to_token(self, i: int) -> str | None: ...
+
+
+class HFBackend:
+    """A Hugging Face `tokenizers.Tokenizer` (byte-level BPE or any tokenizer.json)."""
+
+    def __init__(self, tok: Tokenizer):
         self.tok = tok
-        self.chat_template = chat_template
-        self.eos_ids = sorted(set(int(i) for i in eos_ids))
-        self.bos_token, self.eos_token = bos_token, eos_token
         self.vocab_size = tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -38,83 +45,158 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """Render messages with the model's chat template, ready for the assistant's reply."""
+    def token_to_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+
+class TextTokenizer:
+    """Encode/decode text, render chat prompts, and know which ids end a generation."""
+
+    def __init__(self, tok: Tokenizer | Backend, chat_template: str | None, eos_ids: Iterable[int],
+                 bos_token: str = "", eos_token: str = ""):
+        self.backend: Backend = HFBackend(tok) if isinstance(tok, Tokenizer) else tok
+        self.tok = self.backend.tok if isinstance(self.backend, HFBackend) else self.backend
+        self.chat_template = chat_template
+        self.template_source = "the model's own" if chat_template else "none"
+        self.eos_ids = sorted(set(int(i) for i in eos_ids))
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.vocab_size = self.backend.vocab_size
+
+    @property
+    def kind(self) -> str:
+        """'sentencepiece' or 'bpe' (any `tokenizers` model)."""
+        return "sentencepiece" if isinstance(self.backend, spm.SentencePieceBackend) else "bpe"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text (no BOS added; special tokens written in the text map to their ids)."""
+        return self.backend.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens included."""
+        return self.backend.decode(list(ids))
+
+    def set_template(self, template: str | None, source: str) -> None:
+        """Use this chat template (None: none; prompts are then the messages' plain text)."""
+        self.chat_template, self.template_source = template, source
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the chat template, ready for the assistant's reply."""
         if not self.chat_template:
             return "".join(m["content"] for m in messages)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg: str) -> None:
-            raise UserError(f"chat template: {msg}")
-
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=self.bos_token, eos_token=self.eos_token,
-        )
+        return templates.render(self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
+                                add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of messages rendered with the chat template, ready for the assistant's reply."""
         return self.encode(self.chat_prompt(messages))
 
+    def save(self, out: Path) -> list[str]:
+        """Write HF tokenizer files (tokenizer.json or tokenizer.model + tokenizer_config.json) into `out`."""
+        files = []
+        if isinstance(self.backend, HFBackend):
+            self.backend.tok.save(str(out / "tokenizer.json"))
+            files.append("tokenizer.json")
+            cls = "PreTrainedTokenizerFast"
+        else:
+            (out / "tokenizer.model").write_bytes(self.backend.proto)
+            files.append("tokenizer.model")
+            cls = "LlamaTokenizer"
+        cfg: dict[str, Any] = {"tokenizer_class": cls, "bos_token": self.bos_token or None,
+                               "eos_token": self.eos_token or None, "add_bos_token": cls == "LlamaTokenizer",
+                               "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+        return [*files, "tokenizer_config.json"]
+
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> TextTokenizer:
+        """The tokenizer stored in a GGUF file: `gpt2` (byte-level BPE) or `llama` (SentencePiece)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UserError(
-                f"GGUF tokenizer type {kind!r} is not supported; use an mlx-lm model directory instead"
-            )
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_LLAMA3_RE), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
-        elif pre == "smollm":
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
+        tokens: list[str] = list(meta.get("tokenizer.ggml.tokens", []))
+        if kind == "llama":
+            backend: Any = spm.SentencePieceBackend(spm.proto_from_gguf(meta))
+        elif kind == "gpt2":
+            backend = HFBackend(_bpe_from_gguf(meta, tokens))
         else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
-        types = meta.get("tokenizer.ggml.token_type")
-        types = [int(t) for t in types.tolist()] if types is not None else [1] * len(tokens)
-        tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
-        )
+            raise UserError(f"GGUF tokenizer type {kind!r} is not supported (gpt2 and llama are); use an mlx-lm "
+                            f"model directory instead")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eos_ids = {int(eos.item())} if eos is not None else set()
         eos_ids |= {tokens.index(n) for n in _EOS_NAMES if n in tokens}
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
-            tok, meta.get("tokenizer.chat_template"), eos_ids,
+            backend, meta.get("tokenizer.chat_template"), eos_ids,
             bos_token=tokens[int(bos.item())] if bos is not None else "",
             eos_token=tokens[int(eos.item())] if eos is not None else "",
         )
 
     @classmethod
     def from_dir(cls, path: Path, config: dict[str, Any]) -> TextTokenizer:
-        file = path / "tokenizer.json"
-        if not file.exists():
-            raise UserError(f"{path} has no tokenizer.json; add the model's HF tokenizer files")
-        tok = Tokenizer.from_file(str(file))
+        """The tokenizer of an HF / mlx-lm directory: tokenizer.json, else a SentencePiece tokenizer.model."""
         tcfg = _read_json(path / "tokenizer_config.json")
         gcfg = _read_json(path / "generation_config.json")
+        smap = _read_json(path / "special_tokens_map.json")
+        if (path / "tokenizer.json").exists():
+            try:
+                backend: Any = HFBackend(Tokenizer.from_file(str(path / "tokenizer.json")))
+            except Exception as e:  # tokenizers raises a bare Exception with a long message
+                raise UserError(f"cannot read {path / 'tokenizer.json'}: {str(e).splitlines()[0]}") from None
+        elif (path / "tokenizer.model").exists():
+            added = {**_read_json(path / "added_tokens.json"),
+                     **{_token_text(v): int(k) for k, v in tcfg.get("added_tokens_decoder", {}).items()}}
+            backend = spm.from_file(path / "tokenizer.model", added, legacy=tcfg.get("legacy", True) is not False)
+        else:
+            raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model): add the model's "
+                            f"Hugging Face tokenizer files")
         template = tcfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
+        if template is None and (path / "chat_template.json").exists():
+            template = _read_json(path / "chat_template.json").get("chat_template")
         eos_ids: set[int] = set()
         for src in (config.get("eos_token_id"), gcfg.get("eos_token_id")):
             eos_ids |= set(src if isinstance(src, list) else [src] if src is not None else [])
-        vocab = tok.get_vocab()
-        eos_tok = _token_text(tcfg.get("eos_token"))
-        eos_ids |= {vocab[n] for n in (*_EOS_NAMES, eos_tok) if n and n in vocab}
-        return cls(tok, template, eos_ids, bos_token=_token_text(tcfg.get("bos_token")) or "",
-                   eos_token=eos_tok or "")
+        eos_tok = _token_text(tcfg.get("eos_token")) or _token_text(smap.get("eos_token")) or _id_text(
+            backend, config.get("eos_token_id"))
+        bos_tok = _token_text(tcfg.get("bos_token")) or _token_text(smap.get("bos_token")) or _id_text(
+            backend, config.get("bos_token_id"))
+        eos_ids |= {i for n in (*_EOS_NAMES, eos_tok) if n and (i := backend.token_to_id(n)) is not None}
+        return cls(backend, template, eos_ids, bos_token=bos_tok or "", eos_token=eos_tok or "")
+
+
+def _bpe_from_gguf(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_RE), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type")
+    types = [int(t) for t in types.tolist()] if types is not None else [1] * len(tokens)
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
+    )
+    return tok
+
+
+def _id_text(backend: Backend, i: Any) -> str | None:
+    """The text of token id `i` from a config (an int, a list: its first, or None)."""
+    i = i[0] if isinstance(i, list) and i else i
+    return backend.id_to_token(int(i)) if isinstance(i, int) else None
 
 
 def _token_text(t: Any) -> str | None:
@@ -122,26 +204,42 @@ def _token_text(t: Any) -> str | None:
 
 
 def _read_json(p: Path) -> dict[str, Any]:
-    return json.loads(p.read_text()) if p.exists() else {}
+    if not p.exists():
+        return {}
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {p}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    return data if isinstance(data, dict) else {}
 
 
 class StreamingDetokenizer:
-    """Turns a growing list of token ids into text pieces, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of token ids into text pieces, never emitting an incomplete UTF-8 character.
+
+    Decodes only a window (the last emitted piece's tokens, as context for e.g. SentencePiece's leading
+    spaces, plus the new ones), so a long answer costs O(n), not O(n^2)."""
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0
+        self.prefix = 0  # window start
+        self.read = 0  # ids[:read] are emitted
 
     def add(self, ids: list[int]) -> str:
+        """Text newly completed by these ids ('' while a multi-byte character is still incomplete)."""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.emitted = text[self.emitted :], len(text)
-        return piece
+        return self._emit(final=False)
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        piece, self.emitted = text[self.emitted :], len(text)
-        return piece
+        """Whatever is left (an incomplete character becomes U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self.read == len(self.ids):
+            return ""
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]

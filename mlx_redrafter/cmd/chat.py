@@ -1,12 +1,83 @@
-"""`redrafter-mlx chat`: an interactive chat with streaming speculative decoding."""
+"""`redrafter-mlx chat`: an interactive chat with streaming speculative decoding (a thin UI over ChatSession)."""
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
 
 import typer
 
 from . import common as c
+
+HELP = """commands:
+  /stats   speed, tokens per target call, acceptance by draft source, prefill tokens of the last turn
+  /reset   start a new conversation (the system prompt stays)
+  /help    this help
+  /quit    quit (also: empty line, Ctrl-D, Ctrl-C at the prompt)
+Ctrl-C while an answer streams stops that answer; the conversation goes on."""
+
+
+class AnswerInterrupt:
+    """While an answer streams: the first Ctrl-C asks it to stop after the current step, a second one raises
+    KeyboardInterrupt at once (e.g. during a long prefill)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __enter__(self) -> AnswerInterrupt:
+        self.hit = False
+        self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def _read(prompt: str) -> str | None:
+    """One line from the user; None means quit (Ctrl-D, Ctrl-C, empty line, /quit)."""
+    try:
+        line = input(prompt)
+    except (EOFError, KeyboardInterrupt):
+        sys.stdout.write("\n")
+        return None
+    line = line.strip()
+    return None if line in ("", "/quit", "/exit") else line
+
+
+def _answer(session, line: str) -> None:
+    """Stream one answer to stdout; a short summary line goes to stderr."""
+    from ..errors import UserError
+
+    before = session.last
+    with AnswerInterrupt() as intr:
+        answer = session.send(line, stop=lambda: intr.hit)
+        try:
+            for piece in answer:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        except UserError as e:
+            typer.echo(f"error: {e}", err=True)
+            return
+        finally:
+            answer.close()  # ends the answer now, whatever stopped it: the session records it consistently
+    t = session.last
+    sys.stdout.write("\n")
+    if t is before:  # stopped before the answer began
+        typer.echo("[stopped]", err=True)
+        return
+    if t.dropped_turns:
+        typer.echo(f"[context full: dropped the {t.dropped_turns} oldest turn(s) and re-read the rest]", err=True)
+    stopped = " - answer stopped" if t.stop == "interrupted" else ""
+    typer.echo(f"[{len(t.tokens)} tokens, {t.stats.decode_tokens_per_s:.1f} tok/s, {t.stats.tokens_per_step:.2f} "
+               f"tokens/call, prefill {t.prefill_tokens} tokens{stopped}]", err=True)
 
 
 @c.one_line_errors
@@ -18,39 +89,63 @@ def chat(
     beam_width: int | None = c.BeamWidth,
     beam_length: int | None = c.BeamLength,
     lookup_width: int | None = c.LookupWidth,
+    lookup: str = c.Lookup,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most new tokens per answer."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
+    temp: float = c.Temp, top_p: float = c.TopP, top_k: int = c.TopK, min_p: float = c.MinP,
+    seed: int | None = c.Seed, accept: str = c.Accept, typical_eps: float = c.TypicalEps,
+    typical_delta: float = c.TypicalDelta,
+    system: str | None = typer.Option(None, "--system", "-s", help="System prompt (default: the template's)."),
+    template: str = typer.Option("own", help="Chat template: own (the model's; Vicuna's for Vicuna models), "
+                                             "vicuna, chatml, or a .jinja file."),
+    max_context: int | None = typer.Option(None, "--max-context", help="Most tokens the conversation keeps; older "
+                                           "turns are dropped beyond it (default: the model's context)."),
 ) -> None:
-    """Interactive chat with streaming output. Empty line or Ctrl-D quits."""
+    """Interactive chat with streaming output and KV-cache reuse across turns. /help lists the commands."""
     from .. import api, tuning
-    from ..generate import Stats
+    from ..chat import ChatSession, drafting_fallback
+    from ..sampling import Sampling
+    from ..templates import load_template_option
 
+    if max_tokens < 1:
+        c.fail(f"--max-tokens must be >= 1 (got {max_tokens})")
+    sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
+    base = api.DecodeOptions(lookup=lookup, max_tokens=max_tokens, sampling=sampling)
     res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width),
-                         dtype, api.DecodeOptions(max_tokens=max_tokens))
+                         dtype, base)
     res.options.check()
+    custom = None if template == "own" else load_template_option(template)
     typer.echo("loading model...", err=True)
-    runner = api.load(model, drafter, res.dtype)
-    s = api.settings(runner, res.options)
-    typer.echo(f"model={s['model']} dtype={s['dtype']} draft={s['draft']} drafter={s['drafter']} "
-               f"W={s['beam_width']} L={s['beam_length']} ({res.source} settings). Type a message; empty line or "
-               f"Ctrl-D quits.", err=True)
-    messages: list[dict[str, str]] = []
-    try:
-        while True:
-            try:
-                line = input(">>> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
-            messages.append({"role": "user", "content": line})
-            ids = runner.tokenizer.encode_chat(messages)
-            stats, reply = Stats(), []
-            for piece, _ in api.stream_generate(runner, ids, res.options, stats=stats):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-                reply.append(piece)
-            messages.append({"role": "assistant", "content": "".join(reply)})
-            typer.echo(f"\n[{stats.decode_tokens_per_s:.1f} tok/s, {stats.tokens_per_step:.2f} tokens/step]", err=True)
-    except KeyboardInterrupt:
-        pass
+    runner = api.load(model, drafter if res.options.draft != "none" else "none", res.dtype)
+    tok = runner.tokenizer
+    if custom is not None:
+        tok.set_template(custom, f"--template {template}")
+    options, note = drafting_fallback(runner, res.options)
+    session = ChatSession(runner, options, system=system, max_context=max_context)
+    s = api.settings(runner, options)
+    shape = (f" W={s['beam_width']}" if "rnn" in s["draft"] else "") + (
+        f" L={s['beam_length']}" if s["draft"] != "none" else "")
+    typer.echo(f"model={s['model']} dtype={s['dtype']} draft={s['draft']}{shape} drafter={s['drafter']} "
+               f"({res.source} settings), template: {tok.template_source}", err=True)
+    if note:
+        typer.echo(f"note: {note}", err=True)
+    if not tok.chat_template:
+        typer.echo("note: the model has no chat template: prompts are plain text (try --template vicuna)", err=True)
+    typer.echo("Type a message; /help for commands; empty line, Ctrl-D or Ctrl-C quits.", err=True)
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    while (line := _read(">>> ")) is not None:
+        if line == "/help":
+            typer.echo(HELP)
+        elif line == "/reset":
+            session.reset()
+            typer.echo("[new conversation]")
+        elif line == "/stats":
+            typer.echo(session.stats_text())
+        elif line.startswith("/") and " " not in line:
+            typer.echo(f"unknown command {line}; /help lists the commands")
+        else:
+            _answer(session, line)

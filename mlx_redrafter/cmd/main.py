@@ -9,6 +9,7 @@ import typer
 from ..errors import UserError
 from .chat import chat
 from .generate import generate
+from .quantize import quantize
 from .train import distill, eval_drafter, train
 from .tune import tune
 
@@ -20,6 +21,7 @@ app.command()(tune)
 app.command()(distill)
 app.command()(train)
 app.command("eval-drafter")(eval_drafter)
+app.command()(quantize)
 
 
 def main() -> None:

@@ -150,5 +150,5 @@ def eval_drafter(
         texts = [r["prompt"] for r in first_turns(prompts, num_prompts)]
         source = str(prompts) if prompts else "MT-bench first turns"
     res = run_eval(drafter, model, c.int_list(widths, "--widths"), c.int_list(lengths, "--lengths"), texts,
-                   max_tokens, source, draft=draft)
+                   max_tokens, source, draft=draft, log=lambda m: typer.echo(m, err=True))
     typer.echo(json.dumps(res) if as_json else format_eval(res))

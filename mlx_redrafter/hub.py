@@ -1,0 +1,99 @@
+"""Fetch models from the Hugging Face hub: its cache, its progress bars, resumable downloads, and a clear
+one-line error, quickly, when the hub cannot be reached.
+
+Order: a complete copy in the HF cache is used without touching the network; with HF_HUB_OFFLINE=1 a
+missing model is an error at once; otherwise one short request checks that the hub answers
+(REDRAFTER_HUB_TIMEOUT seconds, default 5) before huggingface-hub downloads (its default client has no
+timeout, so an unreachable network could otherwise hang for minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+# What a model directory needs (mlx-lm's own list, minus code files).
+PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+
+
+def probe_timeout() -> float:
+    """Seconds to wait for the hub to answer (env REDRAFTER_HUB_TIMEOUT, default 5)."""
+    try:
+        return float(os.environ.get("REDRAFTER_HUB_TIMEOUT", "5"))
+    except ValueError:
+        return 5.0
+
+
+def download_command(repo: str, filename: str | None) -> str:
+    """The shell command that downloads this model into the HF cache."""
+    return f"hf download {repo} {filename}" if filename else f"hf download {repo}"
+
+
+def _download(repo: str, filename: str | None, local_only: bool) -> Path:
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    if filename:
+        return Path(hf_hub_download(repo, filename, local_files_only=local_only))
+    return Path(snapshot_download(repo, allow_patterns=PATTERNS, local_files_only=local_only))
+
+
+def cached(repo: str, filename: str | None = None) -> Path | None:
+    """The local copy of a repo (or one file of it) if the HF cache holds it completely, else None."""
+    try:
+        path = _download(repo, filename, local_only=True)
+    except Exception:  # not cached, incomplete, or a malformed repo id
+        return None
+    if filename is None and not any(path.glob("*.safetensors")) and not (path / "config.json").exists():
+        return None
+    return path
+
+
+def _unreachable(endpoint: str) -> str | None:
+    """Why the hub does not answer within the probe timeout (None: it answers)."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=probe_timeout())
+    except Exception as e:  # connection refused, DNS failure, timeout, proxy error
+        return type(e).__name__
+    return None
+
+
+def fetch(repo: str, filename: str | None = None, label: str | None = None) -> Path:
+    """Local path of a hub repo snapshot (or of one file in it), downloaded once into the HF cache."""
+    from huggingface_hub import constants
+
+    what = f"{label} ({repo}{', ' + filename if filename else ''})" if label and label != repo else (
+        f"{repo}{' ' + filename if filename else ''}")
+    hint = (f"download it on a connected machine with `{download_command(repo, filename)}` (cache: "
+            f"{constants.HF_HUB_CACHE}) or pass a local directory / .gguf file with --model")
+    path = cached(repo, filename)
+    if path is not None:
+        return path
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{what} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: {hint}")
+    why = _unreachable(constants.ENDPOINT)
+    if why is not None:
+        raise UserError(f"cannot download {what}: {constants.ENDPOINT} is unreachable ({why}) and the model is not "
+                        f"in the Hugging Face cache; {hint}")
+    print(f"downloading {what} into the Hugging Face cache (resumable: rerun to continue)...", file=sys.stderr)
+    try:
+        return _download(repo, filename, local_only=False)
+    except Exception as e:
+        raise UserError(_download_error(e, what, repo, hint)) from None
+
+
+def _download_error(e: Exception, what: str, repo: str, hint: str) -> str:
+    from huggingface_hub import errors
+
+    if isinstance(e, errors.GatedRepoError):
+        return f"{what} is gated: accept its license on https://huggingface.co/{repo} and run `hf auth login`"
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return f"no model {repo} on the Hugging Face hub (if it is private, run `hf auth login`)"
+    if isinstance(e, (errors.EntryNotFoundError, errors.RevisionNotFoundError)) and not isinstance(
+            e, errors.LocalEntryNotFoundError):
+        return f"{what}: file not found on the Hugging Face hub"
+    return f"cannot download {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {hint}"

@@ -1,0 +1,172 @@
+"""Chat: a real session through a pseudo-terminal, and ChatSession's KV-cache reuse, interruption and context
+overflow on the embedded model (greedy, short answers)."""
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pexpect
+import pytest
+
+from mlx_redrafter import api
+from mlx_redrafter.chat import ChatSession, drafting_fallback
+from mlx_redrafter.errors import UserError
+
+CLI = str(Path(sys.executable).parent / "redrafter-mlx")
+
+
+@pytest.fixture(scope="module")
+def runner(target):
+    drafter, name = api.resolve_drafter("default", target)
+    return api.Runner(target=target, drafter=drafter, drafter_name=name)
+
+
+def new_turn_ids(tok, question: str) -> list[int]:
+    """Tokens ChatML adds for one more question after an answer (the answer's <|im_end|> included)."""
+    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_in_a_terminal(target, tmp_path):
+    tok = target.tokenizer
+    env = dict(os.environ, MKL_NUM_THREADS="1", REDRAFTER_TUNED_FILE=str(tmp_path / "none.json"))
+    child = pexpect.spawn(CLI, ["chat", "--max-tokens", "96", "--temp", "0"], env=env, encoding="utf-8",
+                          timeout=90, dimensions=(50, 200))
+    try:
+        child.expect_exact(">>> ")
+        q1 = "What is the capital of France?"
+        child.sendline(q1)
+        child.expect(r"prefill (\d+) tokens")
+        first_prefill = int(child.match.group(1))
+        assert "Paris" in child.before  # the answer, streamed before its summary line
+        assert first_prefill == len(tok.encode_chat([{"role": "user", "content": q1}]))
+        child.expect_exact(">>> ")
+
+        child.sendline("/stats")
+        child.expect_exact(">>> ")
+        stats = child.before
+        assert re.search(r"last answer: \d+ tokens, [\d.]+ tok/s, [\d.]+ tokens per target call", stats)
+        assert re.search(r"tokens per call by source: lookup [\d.]+, rnn [\d.]+", stats)
+        assert int(re.search(r"prefill: (\d+) new tokens", stats).group(1)) == first_prefill
+
+        q2 = "And the capital of Germany?"
+        child.sendline(q2)
+        child.expect(r"prefill (\d+) tokens")
+        second_prefill = int(child.match.group(1))
+        assert "Berlin" in child.before
+        # only the new turn is prefilled (+ at most the previous answer's last token, not yet in the cache)
+        k = len(new_turn_ids(tok, q2))
+        assert k <= second_prefill <= k + 1
+        child.expect_exact(">>> ")
+
+        child.sendline("Write a very long story about a dragon who loves to read books.")
+        child.expect_exact("books.\r\n")  # the echo of the question
+        child.expect(r"\w+ \w+")  # the answer is streaming
+        time.sleep(0.3)
+        child.sendintr()  # Ctrl-C in the middle of the answer
+        child.expect_exact("answer stopped")
+        child.expect_exact(">>> ")
+
+        q4 = "What is 2 + 2?"
+        child.sendline(q4)
+        child.expect(r"prefill (\d+) tokens")
+        k = len(new_turn_ids(tok, q4))
+        assert k <= int(child.match.group(1)) <= k + 1  # the stopped answer stayed in the cache and history
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect(r"session: 4 answers, \d+ tokens generated; prefilled (\d+) tokens \((\d+) without")
+        prefilled, without = int(child.match.group(1)), int(child.match.group(2))
+        assert prefilled < without / 2  # what KV-cache reuse saves over four turns
+        child.expect_exact(">>> ")
+
+        child.sendline("/reset")
+        child.expect_exact("[new conversation]")
+        child.expect_exact(">>> ")
+        child.sendline(q1)
+        child.expect(r"prefill (\d+) tokens")
+        assert int(child.match.group(1)) == first_prefill  # a new conversation starts from scratch
+        child.expect_exact(">>> ")
+
+        child.sendline("/help")
+        child.expect_exact("/reset")
+        child.expect_exact(">>> ")
+        child.sendeof()  # Ctrl-D quits cleanly
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+    assert "Traceback" not in (child.before or "")
+
+
+def test_ctrl_c_at_the_prompt_quits(tmp_path):
+    env = dict(os.environ, MKL_NUM_THREADS="1", REDRAFTER_TUNED_FILE=str(tmp_path / "none.json"))
+    child = pexpect.spawn(CLI, ["chat", "--no-draft"], env=env, encoding="utf-8", timeout=60)
+    child.expect_exact(">>> ")
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and "Traceback" not in child.before
+
+
+def test_second_turn_reuses_the_cache_and_answers_as_a_fresh_prompt(runner):
+    options = api.DecodeOptions(max_tokens=16)
+    session = ChatSession(runner, options)
+    a1 = "".join(session.send("Name a color."))
+    a2 = "".join(session.send("Name another one."))
+    assert session.last.prefill_tokens <= len(new_turn_ids(runner.tokenizer, "Name another one.")) + 1
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": a1},
+            {"role": "user", "content": "Name another one."}]
+    fresh = api.generate(runner, runner.tokenizer.encode_chat(msgs), options)
+    assert fresh.text == a2  # KV-cache reuse changes nothing in what is generated
+
+
+def committed_matches_fresh_prefill(session) -> bool:
+    model = session.runner.target.model
+    cache = model.make_cache(len(session.tokens) + 8)
+    model(mx.array([session.tokens]), cache)
+    cache.advance(len(session.tokens))
+    assert session.cache.offset == len(session.tokens)
+    return all(mx.abs(session.cache.committed(i)[0] - cache.committed(i)[0]).max().item() < 1e-3
+               for i in (0, model.args.num_hidden_layers - 1))
+
+
+def test_stopped_answer_stays_consistent(runner):
+    session = ChatSession(runner, api.DecodeOptions(max_tokens=64))
+    pieces = []
+    for piece in session.send("Tell me a long story about a cat.", stop=lambda: len(pieces) >= 3):
+        pieces.append(piece)
+    assert session.last.stop == "interrupted"
+    assert session.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
+    assert committed_matches_fresh_prefill(session)
+    answer = "".join(session.send("What is the capital of Italy?"))
+    assert "Rome" in answer
+    assert committed_matches_fresh_prefill(session)
+
+
+def test_context_overflow_drops_the_oldest_turns(runner):
+    session = ChatSession(runner, api.DecodeOptions(max_tokens=16, draft="lookup"), system="Be brief.",
+                          max_context=80)
+    dropped = 0
+    for q in ["What is the capital of France?", "And of Spain?", "And of Portugal?", "And of Greece?"]:
+        "".join(session.send(q))
+        dropped += session.last.dropped_turns
+        assert session.last.prompt_tokens + len(session.last.tokens) <= 80
+        assert session.messages[0] == {"role": "system", "content": "Be brief."}
+    assert dropped > 0 and session.totals.dropped_turns == dropped
+    assert committed_matches_fresh_prefill(session)
+    before = list(session.messages)
+    with pytest.raises(UserError, match="too long"):
+        "".join(session.send("word " * 200))
+    assert session.messages == before  # the rejected message left no trace
+
+
+def test_a_model_without_drafter_says_which_drafting_it_uses(target):
+    bare = api.Runner(target=target, drafter=None, drafter_name="none")
+    opts, note = drafting_fallback(bare, api.DecodeOptions(draft="auto"))
+    assert opts.draft == "auto" and "lookup" in note
+    opts, note = drafting_fallback(bare, api.DecodeOptions(draft="rnn"))
+    assert opts.draft == "none" and "AR" in note
+    assert drafting_fallback(bare, api.DecodeOptions(draft="lookup"))[1] is None
+    assert re.search("lookup", api.settings(bare, api.DecodeOptions())["draft"])
