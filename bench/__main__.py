@@ -139,7 +139,7 @@ def ablate(
 def main() -> None:
     """Entry point of `python -m bench`."""
     try:
-        app()
+        sys.exit(c.run_app(app, None, "python -m bench"))
     except UserError as e:  # raised outside a command's own handler
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -27,8 +27,7 @@ import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.c
 import mlx.core as mx
 import typer
 
-from convert.cli import run
-from mlx_redrafter.cmd.common import one_line_errors
+from mlx_redrafter.cmd.common import one_line_errors, run_app
 from mlx_redrafter.drafter import (
     MODEL_TYPE,
     Drafter,
@@ -444,7 +443,7 @@ def command(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line (`python -m convert.from_torch`); returns the exit status (2 = bad input, one error line)."""
-    return run(app, argv, PROG)
+    return run_app(app, argv, PROG)
 
 
 if __name__ == "__main__":

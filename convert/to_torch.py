@@ -31,8 +31,7 @@ import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.c
 import mlx.core as mx
 import typer
 
-from convert.cli import run
-from mlx_redrafter.cmd.common import one_line_errors
+from mlx_redrafter.cmd.common import one_line_errors, run_app
 from mlx_redrafter.drafter import Drafter, DrafterArgs, dequantize_drafter, load_drafter, save_drafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.loader import DTYPES
@@ -135,7 +134,7 @@ def command(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line (`python -m convert.to_torch`); returns the exit status (2 = bad input, one error line)."""
-    return run(app, argv, PROG)
+    return run_app(app, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -79,8 +79,11 @@ class Result:
 
 
 def shipped_drafter_path(model_name: str) -> Path | None:
-    """The drafter shipped in the package for a model name, if any."""
-    p = SHIPPED_DRAFTERS / model_name
+    """The drafter shipped in the package for a model (its registry entry's drafter, else its own name)."""
+    from .registry import get
+
+    entry = get(model_name)
+    p = SHIPPED_DRAFTERS / (entry.drafter if entry is not None and entry.drafter else model_name)
     return p if (p / "config.json").exists() else None
 
 

@@ -36,6 +36,31 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+if hasattr(typer, "TyperException"):  # typer >= 0.26 vendors click; its usage errors derive from this
+    _USAGE_ERROR: type[Exception] = typer.TyperException
+else:  # pragma: no cover  (typer < 0.26 runs on click)
+    import click
+
+    _USAGE_ERROR = click.ClickException
+
+
+def run_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
+    """Run `app` on `argv` (None: sys.argv[1:]); returns the exit status (0 ok, 2 bad input, 130 interrupted).
+
+    Command errors arrive as `typer.Exit(2)` from `fail`; usage errors (unknown option,
+    bad value, missing argument) are printed as one `error: ...` line too, instead of a usage block."""
+    command = typer.main.get_command(app)
+    try:
+        rc = command.main(args=argv, prog_name=prog, standalone_mode=False)
+    except _USAGE_ERROR as e:
+        typer.echo(f"error: {e.format_message()} (see {prog} --help)", err=True)
+        return 2
+    except typer.Abort:
+        typer.echo("error: interrupted", err=True)
+        return 130
+    return rc if isinstance(rc, int) else 0
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """Comma-separated integers, e.g. "1,2,4"; a one-line UserError otherwise."""
     try:
@@ -49,12 +74,12 @@ def int_list(text: str, flag: str) -> list[int]:
 
 # Decoding flags shared by generate / chat (None = not given: tuned entry or default applies).
 Draft = typer.Option(None, "--draft", help="Drafting: auto (rnn+lookup with a drafter, else lookup), rnn, lookup, "
-                                           "rnn+lookup, none [tuned, else auto].")
+                                           "rnn+lookup, none \\[tuned, else auto].")
 NoDraft = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (= --draft none).")
-BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the recurrent drafter [tuned, else 1].")
+BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the recurrent drafter \\[tuned, else 1].")
 BeamLength = typer.Option(None, "--beam-length", "-l",
-                          help="L: candidate length incl. the first token [tuned, else 3].")
-LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context [tuned, else 1].")
+                          help="L: candidate length incl. the first token \\[tuned, else 3].")
+LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context \\[tuned, else 1].")
 Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup) or suffix (suffix automaton).")
 Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")
 TopP = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the top tokens holding this much mass.")

@@ -49,6 +49,12 @@ def generate(
     prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
     need_drafter = res.options.draft in ("auto", "rnn", "rnn+lookup")
     runner = api.load(model, drafter if need_drafter else "none", res.dtype)
+    if res.options.draft == "auto":
+        from ..chat import drafting_fallback
+
+        note = drafting_fallback(runner, res.options)[1]
+        if note:
+            typer.echo(note, err=True)
     for p in prompts:
         if as_json:
             out = api.generate(runner, p, res.options, chat=chat)

@@ -8,6 +8,7 @@ import typer
 
 from ..errors import UserError
 from .chat import chat
+from .common import run_app
 from .generate import generate
 from .quantize import quantize
 from .train import distill, eval_drafter, train
@@ -25,9 +26,9 @@ app.command()(quantize)
 
 
 def main() -> None:
-    """Console entry point."""
+    """Console entry point: usage errors and bad input end with one `error:` line and status 2."""
     try:
-        app()
+        sys.exit(run_app(app, None, "redrafter-mlx"))
     except UserError as e:  # safety net for errors raised outside a command's own handler
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
