@@ -46,7 +46,16 @@ class MlxLmDecoder:
         self.ref, self.eos = mlx_lm_model(model), set(eos_ids)
 
     def __call__(self, prompt: list[int], options: DecodeOptions) -> tuple[list[int], Stats]:
-        """New token ids (eos ends the generation and is not emitted) and Stats with our conventions."""
+        """New token ids (eos ends the generation and is not emitted) and Stats with our conventions.
+
+        mlx-lm runs on the process's BLAS (MKL when preloaded) but never on our small-GEMM path, which it does
+        not ship: it is timed as a user of mlx-lm with an optimized BLAS would run it."""
+        from mlx_redrafter.blas import small_gemm_disabled
+
+        with small_gemm_disabled():
+            return self._decode(prompt, options)
+
+    def _decode(self, prompt: list[int], options: DecodeOptions) -> tuple[list[int], Stats]:
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_sampler
 

@@ -3,6 +3,10 @@
 The `mlx[cpu]` wheel links a slow reference BLAS. Loading Intel MKL (PyPI `mkl`) or OpenBLAS with
 RTLD_GLOBAL before `mlx.core` is imported makes MLX's cblas calls resolve to the fast library.
 Switch: REDRAFTER_BLAS=auto (default) | mkl | openblas | off.
+
+On x86-64 with AVX-512 a small library of ours (csrc/smallgemm.c, built at install) is loaded first: its
+cblas_sgemm computes the products of few rows (decode and verification steps) by streaming each weight once,
+and hands everything else to the BLAS. Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
 """
 
 from __future__ import annotations
@@ -12,9 +16,43 @@ import glob
 import os
 import platform
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _loaded: str | None = None
 _handle: ctypes.CDLL | None = None
+_small: ctypes.CDLL | None = None
+
+
+def _small_gemm_path() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_smallgemm*.so")))
+    return os.environ.get("REDRAFTER_SMALL_GEMM_LIB") or (found[0] if found else None)
+
+
+def _env_threads() -> int:
+    for var in ("REDRAFTER_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        try:
+            return max(1, int(os.environ[var]))
+        except (KeyError, ValueError):
+            continue
+    return os.cpu_count() or 1
+
+
+def _load_small_gemm() -> None:
+    """Load the small-product library ahead of the BLAS (x86-64 Linux; silently skipped when unavailable)."""
+    global _small
+    if os.environ.get("REDRAFTER_SMALL_GEMM", "auto").lower() in ("off", "0", "none", "false"):
+        return
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    path = _small_gemm_path()
+    if path is None:
+        return
+    try:
+        _small = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        _small = None
 
 
 def _mkl_candidates() -> list[str]:
@@ -40,6 +78,7 @@ def load_optimized_blas() -> str | None:
     if "mlx.core" in sys.modules:
         # Too late: MLX's BLAS symbols are already bound.
         return None
+    _load_small_gemm()
     order = {"auto": ["mkl", "openblas"], "mkl": ["mkl"], "openblas": ["openblas"]}.get(choice, [])
     for kind in order:
         if kind == "mkl":
@@ -53,12 +92,17 @@ def load_optimized_blas() -> str | None:
             except OSError:
                 continue
             _loaded = os.path.basename(path)
+            if _small is not None:  # its fallback for every other product: this BLAS
+                real = ctypes.cast(_handle.cblas_sgemm, ctypes.c_void_p).value
+                _small.redrafter_gemm_init(ctypes.c_void_p(real), ctypes.c_int(_env_threads()))
             return _loaded
     return None
 
 
 def set_threads(n: int) -> bool:
     """Set the optimized BLAS's thread count at run time (MKL or OpenBLAS); False when there is none to set."""
+    if _small is not None:
+        _small.redrafter_gemm_set_threads(ctypes.c_int(n))
     for fn in ("MKL_Set_Num_Threads", "openblas_set_num_threads"):
         f = getattr(_handle, fn, None) if _handle is not None else None
         if f is not None:
@@ -69,4 +113,24 @@ def set_threads(n: int) -> bool:
 
 def blas_name() -> str:
     """Name of the BLAS MLX uses in this process (for reports)."""
-    return _loaded or "mlx-default"
+    return (_loaded or "mlx-default") + ("+smallgemm" if _small is not None else "")
+
+
+@contextmanager
+def small_gemm_disabled() -> Iterator[None]:
+    """Route every product to the BLAS while inside (e.g. to time another runtime as its users run it)."""
+    if _small is not None:
+        _small.redrafter_gemm_enable(ctypes.c_int(0))
+    try:
+        yield
+    finally:
+        if _small is not None:
+            _small.redrafter_gemm_enable(ctypes.c_int(1))
+
+
+def small_gemm_calls() -> tuple[int, int]:
+    """(products our small-GEMM path computed, products it handed to the BLAS) so far; (0, 0) without it."""
+    if _small is None:
+        return 0, 0
+    _small.redrafter_gemm_calls.restype = ctypes.c_long
+    return _small.redrafter_gemm_calls(1), _small.redrafter_gemm_calls(0)

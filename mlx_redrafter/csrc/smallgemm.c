@@ -1,0 +1,110 @@
+/* Small-M matrix products for MLX's CPU backend on x86-64 with AVX-512.
+ *
+ * MLX computes every float32 matrix product through cblas_sgemm. Loaded with RTLD_GLOBAL before the optimized
+ * BLAS (see blas.py), this library's cblas_sgemm is the one MLX calls: it handles y = x W^T with few rows of x
+ * (decode steps and the verification of a few draft tokens: M <= 16) by streaming each weight row once and
+ * computing all M dot products from it, and hands every other product to the real BLAS. Each output element
+ * is computed in the same order whatever M is, so a token's logits do not depend on how many tokens were
+ * verified with it.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdlib.h>
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                         float *, int);
+static sgemm_fn fallback = 0;
+static int n_threads = 1;
+static long fast_calls = 0, slow_calls = 0;
+static int enabled = 1;
+
+void redrafter_gemm_init(void *real_sgemm, int threads) {
+    fallback = (sgemm_fn)real_sgemm;
+    n_threads = threads > 0 ? threads : 1;
+}
+void redrafter_gemm_set_threads(int threads) { n_threads = threads > 0 ? threads : 1; }
+void redrafter_gemm_enable(int on) { enabled = on; }
+long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define KERNEL(MM, R)                                                                                        \
+    __attribute__((target("avx512f"))) static void k_##MM##_##R(const float *x, const float *w, float *y,   \
+                                                                int K, int ldy, int n0, int n1) {           \
+        int n = n0;                                                                                          \
+        for (; n + R <= n1; n += R) {                                                                        \
+            __m512 acc[MM][R];                                                                               \
+            for (int m = 0; m < MM; m++)                                                                     \
+                for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();                                 \
+            for (int k = 0; k < K; k += 16) {                                                                \
+                __m512 wv[R];                                                                                \
+                for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (size_t)(n + r) * K + k);            \
+                for (int m = 0; m < MM; m++) {                                                               \
+                    __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);                                      \
+                    for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);           \
+                }                                                                                            \
+            }                                                                                                \
+            for (int m = 0; m < MM; m++)                                                                     \
+                for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = _mm512_reduce_add_ps(acc[m][r]);   \
+        }                                                                                                    \
+        for (; n < n1; n++) {                                                                                \
+            __m512 acc[MM];                                                                                  \
+            for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();                                       \
+            for (int k = 0; k < K; k += 16) {                                                                \
+                __m512 wv = _mm512_loadu_ps(w + (size_t)n * K + k);                                          \
+                for (int m = 0; m < MM; m++)                                                                 \
+                    acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (size_t)m * K + k), acc[m]);             \
+            }                                                                                                \
+            for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = _mm512_reduce_add_ps(acc[m]);              \
+        }                                                                                                    \
+    }
+KERNEL(1, 8)
+KERNEL(2, 8)
+KERNEL(4, 4)
+KERNEL(8, 2)
+
+static void rows(const float *x, const float *w, float *y, int M, int K, int ldy, int n0, int n1) {
+    int m = 0;
+    for (; M - m >= 8; m += 8) k_8_2(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+    if (M - m >= 4) { k_4_4(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 4; }
+    if (M - m >= 2) { k_2_8(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 2; }
+    if (M - m >= 1) k_1_8(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+}
+
+static int usable(void) {
+    static int ok = -1;
+    if (ok < 0) ok = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    return ok;
+}
+#endif
+
+enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+
+void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc) {
+#if defined(__x86_64__)
+    if (enabled && layout == RowMajor && ta == NoTrans && tb == Trans && alpha == 1.0f && beta == 0.0f && M >= 1 &&
+        M <= 16 && K % 16 == 0 && lda == K && ldb == K && (long)N * K >= 65536 && usable()) {
+        fast_calls++;
+        int T = n_threads;
+        if (T <= 1 || (long)N * K < 262144) {
+            rows(A, B, C, M, K, ldc, 0, N);
+            return;
+        }
+#pragma omp parallel num_threads(T)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            int chunk = ((N + nt - 1) / nt + 15) & ~15;
+            int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+            if (n0 < N) rows(A, B, C, M, K, ldc, n0, n1);
+        }
+        return;
+    }
+#endif
+    slow_calls++;
+    if (!fallback) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");  /* whatever BLAS comes after us */
+    fallback(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}

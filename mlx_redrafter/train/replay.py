@@ -1,0 +1,102 @@
+"""Acceptance by replay: how many tokens per target call draft sources would decide, without running the target.
+
+Greedy decoding is deterministic, so on a sequence the target generated greedily (a corpus sequence) a
+candidate is accepted exactly as far as it matches the sequence itself, and the target's hidden state at
+every position is the one stored in the features. Replaying the decode loop over stored sequences therefore
+gives the tokens per target call of greedy speculative decoding (up to float noise between the batched pass
+that stored the states and a one-sequence decode) at the cost of drafting alone. Used to tune draft sources
+and to compare drafters quickly; the real decode (`eval-drafter`, the bench) confirms.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..sources import Allocator, DecodeState
+from .corpus import Shard
+
+
+@dataclass
+class ReplayStats:
+    """Counters of a replay (same conventions as generate.Stats)."""
+
+    steps: int = 0
+    decided: int = 0  # tokens decided after each sequence's first one
+    accepted_hist: Counter = field(default_factory=Counter)
+    source_runs: Counter = field(default_factory=Counter)
+    verified: int = 0  # candidate slots that would be packed (upper bound: before prefix sharing)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.decided / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "tokens_per_step": round(self.tokens_per_step, 4),
+                "source_tokens_per_step": {k: round(1 + v / max(self.steps, 1), 4)
+                                           for k, v in self.source_runs.items()},
+                "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
+                "candidate_slots_per_step": round(self.verified / max(self.steps, 1), 2)}
+
+
+def replay_sequence(tokens: np.ndarray, prompt_len: int, hidden: np.ndarray, make_allocator, length: int,
+                    max_tokens: int, stats: ReplayStats) -> None:
+    """Replay one sequence: `hidden` (contexts, H) are the states at positions prompt_len-1 .. n-2."""
+    x = tokens.tolist()
+    end = min(len(x), prompt_len + max_tokens)  # the response's first max_tokens tokens
+    alloc: Allocator = make_allocator()
+    p = prompt_len - 1  # position of the last token in the cache; x[p + 1] is g0
+    state = DecodeState(tokens=x[: p + 2], g0=mx.array([x[p + 1]], dtype=mx.int32),
+                        h=mx.array(hidden[0:1].astype(np.float32)))
+    for src in alloc.sources:
+        src.start(state.tokens)
+    while p + 2 < end:
+        runs: dict[str, int] = {}
+        best = 0
+        truth = x[p + 2 : end]
+        for slot in alloc.plan():
+            c = slot.source.propose(state, length, slot.width) if slot.width > 0 else None
+            if c is None:
+                continue
+            cands = np.array(c)
+            stats.verified += int((cands >= 0).sum())
+            run = 0
+            for row in cands:
+                k = 0
+                while k < length - 1 and k < len(truth) and row[k + 1] == truth[k]:
+                    k += 1
+                run = max(run, k)
+            runs[slot.source.name] = max(runs.get(slot.source.name, 0), run)
+            best = max(best, run)
+        alloc.update(runs)
+        stats.source_runs.update(runs)
+        stats.steps += 1
+        stats.accepted_hist[best] += 1
+        new = x[p + 2 : min(p + 3 + best, end)]  # accepted drafts and the target's next token
+        stats.decided += len(new)
+        p += len(new)
+        if p + 1 >= end:
+            break
+        state.tokens.extend(new)
+        state.g0 = mx.array([x[p + 1]], dtype=mx.int32)
+        state.h = mx.array(hidden[p - prompt_len + 1 : p - prompt_len + 2].astype(np.float32))
+        for src in alloc.sources:
+            src.extend(new)
+
+
+def replay(shard: Shard, hidden: np.ndarray, make_allocator, length: int, max_tokens: int = 128,
+           sequences: list[int] | None = None, turn: int | None = 1) -> ReplayStats:
+    """Replay the given sequences of a shard (default: all turn-1 ones) with fresh sources each."""
+    stats = ReplayStats()
+    counts = (shard.offsets[1:] - shard.offsets[:-1] - shard.prompt_len).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    idx = sequences if sequences is not None else [i for i in range(shard.num_sequences)
+                                                   if turn is None or shard.turn[i] == turn]
+    for i in idx:
+        P = int(shard.prompt_len[i])
+        replay_sequence(shard.sequence(i), P, hidden[starts[i] : starts[i + 1]], make_allocator, length, max_tokens,
+                        stats)
+    return stats

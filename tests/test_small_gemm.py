@@ -1,0 +1,60 @@
+"""The small-GEMM path (x86-64 + AVX-512): right products, the same bits whatever the number of rows, and the
+BLAS for everything else."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_redrafter.blas import small_gemm_calls, small_gemm_disabled
+
+
+def have_path() -> bool:
+    before = small_gemm_calls()
+    mx.eval(mx.ones((1, 576)) @ mx.ones((1536, 576)).T)
+    return small_gemm_calls()[0] > before[0]
+
+
+def test_products_match_float64():
+    if not have_path():
+        pytest.skip("small-GEMM library not built on this machine (not x86-64 Linux with AVX-512)")
+    rng = np.random.default_rng(0)
+    for M, N, K in [(1, 1536, 576), (3, 576, 1536), (8, 49152, 576), (16, 960, 576), (5, 200, 512)]:
+        x, w = rng.standard_normal((M, K), dtype=np.float32), rng.standard_normal((N, K), dtype=np.float32)
+        got = np.array(mx.array(x) @ mx.array(w).T)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max() + 1e-4
+
+
+def test_a_row_gets_the_same_bits_whatever_the_number_of_rows():
+    if not have_path():
+        pytest.skip("small-GEMM library not built on this machine")
+    rng = np.random.default_rng(1)
+    w = mx.array(rng.standard_normal((1536, 576), dtype=np.float32))
+    x = mx.array(rng.standard_normal((16, 576), dtype=np.float32))
+    full = np.array(x @ w.T)
+    for M in (1, 2, 3, 5, 8, 13):
+        assert np.array_equal(np.array(x[:M] @ w.T), full[:M])
+
+
+def test_other_products_go_to_the_blas():
+    if not have_path():
+        pytest.skip("small-GEMM library not built on this machine")
+    fast, slow = small_gemm_calls()
+    mx.eval(mx.ones((17, 576)) @ mx.ones((1536, 576)).T)  # too many rows
+    mx.eval(mx.ones((4, 576)) @ mx.ones((576, 1536)))  # not x @ W^T
+    with small_gemm_disabled():
+        mx.eval(mx.ones((1, 576)) @ mx.ones((1536, 576)).T)
+    f2, s2 = small_gemm_calls()
+    assert f2 == fast and s2 >= slow + 3
+
+
+def test_a_decode_step_uses_it(target):
+    if not have_path():
+        pytest.skip("small-GEMM library not built on this machine")
+    from mlx_redrafter.generate import generate_ar
+
+    before = small_gemm_calls()[0]
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    sum(generate_ar(target.model, ids, max_tokens=3), [])
+    # each one-token step: 7 projections x 30 layers + the vocabulary projection
+    assert small_gemm_calls()[0] - before >= 2 * (7 * target.model.args.num_hidden_layers + 1)
