@@ -14,7 +14,7 @@ endif
 
 .PHONY: setup chat test bench bench-quick parity train lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py mlx_redrafter/csrc/smallgemm.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"

@@ -61,17 +61,17 @@ long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
             for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = _mm512_reduce_add_ps(acc[m]);              \
         }                                                                                                    \
     }
-KERNEL(1, 8)
-KERNEL(2, 8)
-KERNEL(4, 4)
-KERNEL(8, 2)
+KERNEL(1, 12)
+KERNEL(2, 10)
+KERNEL(4, 6)
+KERNEL(8, 3)
 
 static void rows(const float *x, const float *w, float *y, int M, int K, int ldy, int n0, int n1) {
     int m = 0;
-    for (; M - m >= 8; m += 8) k_8_2(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
-    if (M - m >= 4) { k_4_4(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 4; }
-    if (M - m >= 2) { k_2_8(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 2; }
-    if (M - m >= 1) k_1_8(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+    for (; M - m >= 8; m += 8) k_8_3(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+    if (M - m >= 4) { k_4_6(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 4; }
+    if (M - m >= 2) { k_2_10(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 2; }
+    if (M - m >= 1) k_1_12(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
 }
 
 static int usable(void) {
