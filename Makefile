@@ -12,7 +12,7 @@ else
   EXTRAS := dev
 endif
 
-.PHONY: setup chat test bench bench-quick parity train lint clean
+.PHONY: setup chat test fuzz bench bench-quick parity train distill lint clean
 
 $(STAMP): pyproject.toml setup.py mlx_redrafter/csrc/smallgemm.c
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,9 @@ chat: $(STAMP)  ## chat with the embedded default model
 test: $(VENV)/.torch  ## run the test suite (installs the torch extra: parity and converter tests need it)
 	$(BIN)/python -m pytest -q tests
 
+fuzz: $(VENV)/.torch  ## >= 1,000 random exactness cases (FUZZ_CASES=N): speculative == AR, fp32
+	$(BIN)/python -m pytest -q -s -m fuzz tests/test_fuzz.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check mlx_redrafter convert bench tests
 
@@ -47,8 +50,13 @@ bench-quick: $(STAMP)
 parity: $(VENV)/.torch  ## MLX vs PyTorch parity report: make parity DEVICE=cpu|cuda
 	$(BIN)/python -m bench parity --device $(DEVICE)
 
-train: $(STAMP)  ## reproduce the shipped drafter from scratch
-	$(BIN)/redrafter-mlx train
+distill: $(STAMP)  ## extend the distillation corpus (data/corpus/; resumable, nice 19, one BLAS thread; WORKERS=2)
+	for i in $$(seq 0 $$(($(or $(WORKERS),1) - 1))); do \
+	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(or $(WORKERS),1) $(DISTILL_ARGS) & \
+	done; wait
+
+train: $(STAMP)  ## reproduce the shipped drafter from the committed corpus (features rebuilt on demand)
+	MKL_NUM_THREADS=$(or $(THREADS),2) $(BIN)/redrafter-mlx train
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from ..errors import UserError
 from ..train.evaluate import format_eval
 from ..train.loop import TrainConfig
 from . import common as c
@@ -27,6 +28,8 @@ def distill(
                                   "generating (derived data, not committed)."),
     threads: int = typer.Option(1, help="BLAS threads (1 is right when other work shares the cores)."),
     nice: int = typer.Option(19, help="Scheduling niceness added to this process (0 = none)."),
+    worker: str = typer.Option("0/1", help="I/N: make only the shards whose index is I modulo N (run N processes, "
+                               "one per core)."),
 ) -> None:
     """Extend the distillation corpus: the target's greedy answers to the next prompts of the plan.
 
@@ -39,12 +42,18 @@ def distill(
     from ..loader import load_target
     from ..train.corpus import build
 
+    try:
+        i, n = (int(v) for v in worker.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        raise UserError(f"--worker takes I/N with 0 <= I < N, e.g. 0/2 (got {worker!r})") from None
     if nice:
         os.nice(nice)
     set_threads(threads)
     target = load_target(model, "float32")
     root = corpus / target.name
-    out = build(target, prompts, root, max_shards=shards, hours=hours, features_dir=features / target.name)
+    out = build(target, prompts, root, max_shards=shards, hours=hours, features_dir=features / target.name,
+                worker=(i, n))
     typer.echo(json.dumps(out.stats()))
 
 
@@ -53,9 +62,13 @@ def train(
     corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (CORPUS/<model>/ from `distill`)."),
     features: Path = typer.Option(DEFAULT_FEATURES, help="Derived-data cache (hidden states; rebuilt on demand)."),
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Where the drafter is written [the package's "
-                                       "drafters/<model> folder: the shipped drafter]."),
-    run_dir: Path = typer.Option(Path("runs/drafter"), help="Checkpoints and history (resumable)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Where the drafter is written [redrafter: the "
+                                       "package's drafters/<model> folder (the shipped drafter); other kinds: "
+                                       "RUN_DIR/drafter]."),
+    run_dir: Path | None = typer.Option(None, help="Checkpoints and history (resumable) [runs/drafter, other kinds: "
+                                        "runs/drafter-KIND]."),
+    kind: str = typer.Option(TrainConfig.kind, "--kind", help="Drafter kind: redrafter, medusa, semi_ar_transformer "
+                             "or semi_ar_lstm (same data, loss and budget)."),
     corpus_tokens: int | None = typer.Option(None, help="Train on the corpus' first N response tokens only."),
     steps: int = typer.Option(TrainConfig.steps, help="Optimizer steps."),
     batch: int = typer.Option(TrainConfig.batch_size, help="Context positions per step."),
@@ -83,12 +96,15 @@ def train(
     import time
 
     from ..loader import load_target
+    from ..train.kinds import check_kind
     from ..train.loop import train_drafter
     from ..train.pipeline import model_card, prepare, save_shipped
 
+    check_kind(kind)
+    run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
-                      weight_decay=weight_decay, seed=seed)
+                      weight_decay=weight_decay, seed=seed, kind=kind)
     target = load_target(model, "float32")
     t0 = time.perf_counter()
     typer.echo("step 1/3: features", err=True)
@@ -105,16 +121,19 @@ def train(
         save_shipped(drafter, run_dir / "final", "", float16=float16)
         res = run_eval(str(run_dir / "final"), model, [1, 4], [3, 5],
                        heldout_prompt_ids(corpus / target.name, eval_prompts), 128, "the corpus' held-out shard",
-                       log=None)
+                       draft=_DRAFT_OF_KIND[kind], log=None)
         extra = "\n" + format_eval(res) + "\n"
         typer.echo(format_eval(res), err=True)
-    out = output or _shipped_dir(target.name)
+    out = output or (_shipped_dir(target.name) if kind == "redrafter" else run_dir / "drafter")
     summary.update(used=used, timings=timings)
     from ..files import write_atomic
 
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1))
     save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
     typer.echo(f"step 3/3: saved {out}", err=True)
+
+
+_DRAFT_OF_KIND = {"redrafter": "rnn", "medusa": "medusa", "semi_ar_transformer": "semi_ar", "semi_ar_lstm": "semi_ar"}
 
 
 def _shipped_dir(model_name: str) -> Path:

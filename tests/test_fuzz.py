@@ -1,0 +1,62 @@
+"""`make fuzz`: a long randomised exactness sweep (excluded from `make test`; run it before a release).
+
+Random (drafter seed, drafter shape, W, L, lookup width and index, prompt, length) cases, greedy fp32:
+speculative output must equal AR output, or differ only on a proven numerical tie (tests/exactness.py).
+Set FUZZ_CASES (default 1000) and FUZZ_SEED. Prints a one-line summary per 50 cases and at the end.
+"""
+
+import os
+import random
+import time
+
+import pytest
+from exactness import ar_tokens, divergence, speculative_tokens
+
+from mlx_redrafter.drafter import random_drafter
+from mlx_redrafter.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
+
+pytestmark = pytest.mark.fuzz
+
+
+def test_random_cases_never_diverge(target, chat_ids):
+    n_cases = int(os.environ.get("FUZZ_CASES", "1000"))
+    rng = random.Random(int(os.environ.get("FUZZ_SEED", "0")))
+    tok, model = target.tokenizer, target.model
+    extra = [tok.encode_chat([{"role": "user", "content": p}]) for p in (
+        "Repeat after me: one two three one two three one two three.", "Say hello.", "List the numbers 1 to 20.")]
+    prompts = chat_ids + extra
+    drafters: dict = {}
+    ar_cache: dict = {}
+    ties = failures = 0
+    t0 = time.time()
+    for case in range(n_cases):
+        seed = rng.randrange(8)
+        shape = rng.choice([(128, 4096), (576, None), (64, 1024)])
+        if (seed, shape) not in drafters:
+            drafters[(seed, shape)] = random_drafter(576, 49152, seed=seed, exit_dim=shape[0],
+                                                     draft_vocab_size=shape[1])
+        drafter = drafters[(seed, shape)]
+        W, L, K = rng.choice([1, 2, 3, 4, 8]), rng.randint(2, 7), rng.choice([0, 0, 1, 2, 3])
+        p_idx, n_tok = rng.randrange(len(prompts)), rng.choice([8, 16, 24])
+        index = rng.choice([NgramIndex, SuffixIndex])
+        slots = [] if rng.random() < 0.15 and K else [Slot(RnnSource(drafter, model.embed), W)]
+        if K:
+            slots.append(Slot(LookupSource(index), K))
+        alloc = Allocator(slots, adaptive=rng.random() < 0.5)
+        key = (p_idx, n_tok)
+        if key not in ar_cache:
+            ar_cache[key] = ar_tokens(model, prompts[p_idx], n_tok, tok.eos_ids)
+        got = speculative_tokens(model, prompts[p_idx], alloc, L, n_tok, tok.eos_ids)
+        if got != ar_cache[key]:
+            problem = divergence(model, prompts[p_idx], ar_cache[key], got)
+            ties += problem is None
+            if problem is not None:
+                failures += 1
+                print(f"case {case}: seed {seed} shape {shape} W={W} L={L} lookup {K} {index.__name__} prompt {p_idx}"
+                      f": {problem}")
+        if (case + 1) % 50 == 0:
+            print(f"fuzz: {case + 1} cases, {failures} divergences, {ties} proven ties, {time.time() - t0:.0f} s",
+                  flush=True)
+    print(f"fuzz: {n_cases} cases, {failures} divergences, {ties} proven ties, {time.time() - t0:.0f} s")
+    assert failures == 0
