@@ -8,6 +8,8 @@ usually `config.json`. Key spellings seen in the wild are accepted (`input_projs
 ResBlocks with or without the `.linear` level). A missing config is inferred from the tensor shapes.
 The output is a drafter directory (config.json + model.safetensors) for `mlx_redrafter.drafter.load_drafter`,
 written atomically. `--quantize` stores every linear quantized (mlx-lm style, see `quantize_drafter`).
+Medusa heads in the FasterDecoding/Medusa layout (`medusa_lm_head.safetensors` / `.pt`, config.json with
+`medusa_num_heads`) are detected and converted to an MLX Medusa drafter instead (convert/medusa.py).
 Any problem is reported as one `error: ...` line and exit status 2, with no output dir.
 """
 
@@ -343,6 +345,14 @@ def default_out(weights_file: Path, given: Path) -> Path:
     return Path.cwd() / f"{name or 'drafter'}-mlx"
 
 
+def check_out_dir(out_dir: Path, weights_file: Path, force: bool) -> None:
+    """One-line error if `out_dir` holds something (without --force) or is the checkpoint's own directory."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+        raise UserError(f"output {out_dir} already exists: pass --force to replace it, or choose --out")
+    if out_dir.resolve() == weights_file.parent.resolve():
+        raise UserError(f"output {out_dir} is the checkpoint's own directory: choose another --out")
+
+
 def convert(path: str | Path, out: str | Path | None = None, model: str | None = None, dtype: str = "auto",
             quantize: int | None = None, group_size: int = 64, force: bool = False) -> dict[str, Any]:
     """Convert a PyTorch drafter checkpoint to an MLX drafter directory; returns a summary dict.
@@ -353,12 +363,15 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
     if quantize is not None:
         check_quantization(quantize, group_size)
     given = Path(path).expanduser()
+    from convert.medusa import convert_medusa, is_medusa
+
+    if is_medusa(given):  # FasterDecoding/Medusa heads: their own layout and output kind
+        if quantize is not None:
+            raise UserError("--quantize is not supported for Medusa heads")
+        return convert_medusa(given, out, model, dtype, force)
     ckpt = load_checkpoint(given)
     out_dir = Path(out).expanduser() if out else default_out(ckpt.weights_file, given)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
-        raise UserError(f"output {out_dir} already exists: pass --force to replace it, or choose --out")
-    if out_dir.resolve() == ckpt.weights_file.parent.resolve():
-        raise UserError(f"output {out_dir} is the checkpoint's own directory: choose another --out")
+    check_out_dir(out_dir, ckpt.weights_file, force)
     target = load_target(model, "float32") if model is not None else None
     target_vocab = target.model.args.vocab_size if target is not None else None
     args, inferred = infer_args(ckpt, target_vocab)
@@ -392,6 +405,10 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
 
 def format_summary(s: dict[str, Any]) -> str:
     """Human-readable summary of a conversion."""
+    if s.get("kind") == "medusa":
+        from convert.medusa import format_medusa_summary
+
+        return format_medusa_summary(s)
     a = s["args"]
     lines = [
         f"converted {s['source']} -> {s['out']}",
@@ -425,7 +442,8 @@ PROG = "python -m convert.from_torch"
 @one_line_errors
 def command(
     path: str = typer.Argument(..., help="model.safetensors, pytorch_model.bin / model.pt, or a directory with one "
-                                         "of them (and usually config.json)."),
+                                         "of them (and usually config.json); or Medusa heads "
+                                         "(medusa_lm_head.safetensors / .pt)."),
     out: str | None = typer.Option(None, "--out", help="Output drafter directory (default: ./<name>-mlx)."),
     model: str | None = typer.Option(None, "--model", help="Target model to check hidden size and vocabulary "
                                      "against ('default' = the embedded SmolLM2-135M, a .gguf, an mlx-lm directory "
@@ -437,7 +455,8 @@ def command(
     group_size: int = typer.Option(64, "--group-size", help="Quantization group size: 32, 64 or 128."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
 ) -> None:
-    """Import a PyTorch ReDrafter drafter checkpoint (Apple's format) as an MLX drafter directory."""
+    """Import a PyTorch ReDrafter drafter checkpoint (Apple's format) as an MLX drafter directory; Medusa heads in
+    the FasterDecoding/Medusa layout (medusa_lm_head.safetensors / .pt) are detected and converted too."""
     typer.echo(format_summary(convert(path, out, model, dtype, quantize, group_size, force)))
 
 

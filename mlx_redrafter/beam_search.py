@@ -1,12 +1,27 @@
-"""Drafter beam search: W candidate continuations of length L, fully in MLX (no host sync inside)."""
+"""Drafter beam search: W candidate continuations of length L, fully in MLX (no host sync inside).
+
+Any recurrent drafter works: an object with `next_state(state, token_emb)`, `logits(context, state)` and
+`token_ids(head_index)` (the ReDrafter `Drafter`, the semi-autoregressive drafter); its state starts as
+`initial_state(B, W, dtype)` if it has one, else zeros of the target's hidden size (the ReDrafter's RNN state).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import mlx.core as mx
 
-from .drafter import Drafter
+
+class RecurrentDrafter(Protocol):
+    """What beam search needs of a drafter (`initial_state(B, W, dtype)` is optional)."""
+
+    def next_state(self, state: mx.array, token_emb: mx.array) -> mx.array: ...
+
+    def logits(self, context: mx.array, state: mx.array) -> mx.array: ...
+
+    def token_ids(self, head_index: mx.array) -> mx.array: ...
+
 
 LOG_0 = -50000.0  # "log(0)" of the reference implementation, kept finite so sums never give NaN
 
@@ -21,7 +36,7 @@ def warp_top_k(logits: mx.array, top_k: int) -> mx.array:
 
 
 def beam_search(
-    drafter: Drafter,
+    drafter: RecurrentDrafter,
     embed: Callable[[mx.array], mx.array],
     context: mx.array,  # (B, H) target's post-norm hidden state at the last accepted position
     first_token: mx.array,  # (B,) int: g0, the target's prediction there
@@ -35,7 +50,8 @@ def beam_search(
     ctx = mx.broadcast_to(context[:, None, :], (B, width, H))
     beams = mx.broadcast_to(first_token.astype(mx.int32)[:, None, None], (B, width, 1))
     scores = mx.array([0.0] + [-float("inf")] * (width - 1))[None].astype(mx.float32)  # (1, W)
-    state = mx.zeros((B, width, H), dtype=context.dtype)
+    init = getattr(drafter, "initial_state", None)
+    state = init(B, width, context.dtype) if init is not None else mx.zeros((B, width, H), dtype=context.dtype)
     token_lp = mx.zeros((B, width, 0), dtype=mx.float32)
     for _ in range(length - 1):
         state = drafter.next_state(state, embed(beams[:, :, -1]))

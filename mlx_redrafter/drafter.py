@@ -225,7 +225,7 @@ def random_drafter(hidden_size: int, vocab_size: int, seed: int, exit_dim: int |
     d = Drafter(args)
     if draft_vocab_size:
         d.draft_vocab = mx.sort(mx.random.permutation(vocab_size)[:draft_vocab_size]).astype(mx.int32)
-    _cast_floats(d, dtype)
+    cast_floats(d, dtype)
     mx.eval(d.parameters())
     return d
 
@@ -242,11 +242,9 @@ def _find_weights(path: Path) -> Path:
     return files[0]
 
 
-def load_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> Drafter:
-    """Load a drafter directory (config.json + model.safetensors) or a .safetensors with config.json beside it.
-
-    Float tensors are cast to `dtype` (None: keep the stored dtypes). A quantized drafter (`quantization` in
-    config.json) is built quantized and stays quantized; `dtype` then applies to its scales and biases."""
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """(config dict, weights file) of a drafter directory (config.json + model.safetensors) or of a .safetensors
+    with config.json beside it, for any drafter kind; one-line errors for what is missing or unreadable."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"drafter {path} does not exist (give a directory with config.json + model.safetensors)")
@@ -259,29 +257,47 @@ def load_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> Draft
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"drafter config {cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-        raise UserError(f"{cfg_file} is a {cfg.get('model_type')!r} config, not a ReDrafter drafter")
-    args = DrafterArgs.from_dict(cfg)
+    if not isinstance(cfg, dict):
+        raise UserError(f"drafter config {cfg_file} is not a JSON object")
+    return cfg, weights_file
+
+
+def load_weights_into(module: nn.Module, weights_file: Path, dtype: mx.Dtype | None) -> None:
+    """Load `weights_file` into a drafter module built from its config (strict), keep `draft_vocab` int32 and
+    cast float tensors to `dtype` (None: keep the stored dtypes)."""
     try:
         weights = mx.load(str(weights_file))
     except Exception as e:
         raise UserError(f"cannot read drafter weights {weights_file}: {str(e).splitlines()[0]}") from None
-    drafter = Drafter(args)
     try:
-        drafter.load_weights(list(weights.items()), strict=True)
+        module.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         detail = str(e).splitlines()[0]
         raise UserError(f"drafter weights {weights_file} do not match its config.json: {detail}") from None
-    if args.draft_vocab_size:
-        drafter.draft_vocab = drafter.draft_vocab.astype(mx.int32)
+    if "draft_vocab" in module:
+        module.draft_vocab = module.draft_vocab.astype(mx.int32)
     if dtype is not None:
-        _cast_floats(drafter, dtype)
-    mx.eval(drafter.parameters())
+        cast_floats(module, dtype)
+    mx.eval(module.parameters())
+
+
+def load_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> Drafter:
+    """Load a drafter directory (config.json + model.safetensors) or a .safetensors with config.json beside it.
+
+    Float tensors are cast to `dtype` (None: keep the stored dtypes). A quantized drafter (`quantization` in
+    config.json) is built quantized and stays quantized; `dtype` then applies to its scales and biases."""
+    cfg, weights_file = read_checkpoint(path)
+    if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise UserError(f"{weights_file.parent / 'config.json'} is a {cfg.get('model_type')!r} config, not a "
+                        f"ReDrafter drafter")
+    drafter = Drafter(DrafterArgs.from_dict(cfg))
+    load_weights_into(drafter, weights_file, dtype)
     return drafter
 
 
-def _cast_floats(drafter: Drafter, dtype: mx.Dtype) -> None:
-    drafter.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x)
+def cast_floats(module: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast every floating-point array of `module` to `dtype`, in place."""
+    module.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x)
 
 
 def save_drafter(drafter: Drafter, out_dir: str | Path, extra_files: dict[str, str] | None = None) -> Path:

@@ -6,7 +6,8 @@ already decided (g0) and whose other columns are guesses; a candidate that ends 
 one target call and keeps the longest accepted run, whichever source proposed it.
 
 Sources here: `RnnSource` (ReDrafter's recurrent head + beam search) and `LookupSource` (copies from the
-context, see lookup.py). Medusa heads and the semi-autoregressive drafter plug in the same way.
+context, see lookup.py). Medusa heads (`medusa.MedusaSource`: a static tree as PAD-padded root-to-leaf paths)
+and the semi-autoregressive drafter (`semi_ar.SemiARSource`: beam search over its TLM) plug in the same way.
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafter import Drafter, DrafterArgs, check_compatible, load_drafter, save_drafter
+from ..drafter import Drafter, DrafterArgs, check_compatible, save_drafter
 from ..errors import UserError
+from ..kinds import load_any_drafter
 from ..loader import Target
 from .data import Batch, Examples, draft_vocabulary, make_batch
+from .kinds import check_kind, kind_of, new_head_drafter
 from .loss import hard_loss, soft_loss, teacher_forced_logits
 
 
@@ -43,6 +45,7 @@ class TrainConfig:
     eval_every: int = 500
     checkpoint_every: int = 500
     seed: int = 0
+    kind: str = "redrafter"  # redrafter | medusa | semi_ar_transformer | semi_ar_lstm (see train/kinds.py)
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable:
@@ -53,7 +56,10 @@ def lr_schedule(cfg: TrainConfig) -> Callable:
 
 
 def new_drafter(target: Target, cfg: TrainConfig, draft_vocab: np.ndarray) -> Drafter:
-    """A fresh drafter for `target`; with init_from_target its head starts as the target's own output rows."""
+    """A fresh drafter of `cfg.kind` for `target`; with init_from_target its head starts as the target's own output
+    rows."""
+    if cfg.kind != "redrafter":
+        return new_head_drafter(target, cfg, draft_vocab)
     margs = target.model.args
     H, V = margs.hidden_size, margs.vocab_size
     mx.random.seed(cfg.seed)
@@ -118,6 +124,7 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     cfg = cfg or TrainConfig()
     if cfg.labels not in ("hard", "soft"):
         raise UserError(f"labels must be 'hard' or 'soft' (got {cfg.labels!r})")
+    check_kind(cfg.kind)
     if len(train) == 0:
         raise UserError("the corpus has no context positions to train on")
     run_dir = Path(run_dir)
@@ -127,8 +134,11 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     opt = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
     start, history = 0, []
     if resume and (ckpt / "trainer_state.json").exists():
-        drafter = load_drafter(ckpt)
+        drafter = load_any_drafter(ckpt)
         check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, str(ckpt))
+        if kind_of(drafter) != cfg.kind:
+            raise UserError(f"{ckpt} holds a {kind_of(drafter)} drafter, not {cfg.kind}: use another --run-dir, or "
+                            f"--restart to start over there")
         st = json.loads((ckpt / "trainer_state.json").read_text())
         start, history = int(st["step"]), st.get("history", [])
         opt.init(drafter.trainable_parameters())

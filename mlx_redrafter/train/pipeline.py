@@ -14,6 +14,7 @@ from ..loader import Target
 from .corpus import Corpus
 from .data import Examples, load_examples
 from .features import ensure
+from .kinds import KIND_TITLES
 from .loop import TrainConfig
 
 
@@ -67,11 +68,12 @@ def save_shipped(drafter: Drafter, out_dir: str | Path, model_card: str, float16
 def model_card(model_name: str, cfg: TrainConfig, summary: dict, used: dict, timings: dict, extra: str = "") -> str:
     """MODEL_CARD.md from what this run actually did (evaluation sections are appended by the caller)."""
     final = summary.get("final", {})
-    return f"""# ReDrafter drafter for {model_name}
+    tlm = "rnn" if cfg.kind == "redrafter" else cfg.kind
+    return f"""# {KIND_TITLES[cfg.kind]} drafter for {model_name}
 
 Trained here by self-distillation with `redrafter-mlx train` (`make train`).
 
-- Shape: exit_dim {cfg.exit_dim}, {cfg.num_draft_layers} ResBlocks, rnn, head over the {cfg.draft_vocab_size} most
+- Shape: exit_dim {cfg.exit_dim}, {cfg.num_draft_layers} ResBlocks, {tlm}, head over the {cfg.draft_vocab_size} most
   frequent tokens of the training data (covers {summary.get('head_coverage')} of them); {summary.get('params')}
   parameters.
 - Data: {used['train_sequences']} training sequences ({used['train_response_tokens']} response tokens) from

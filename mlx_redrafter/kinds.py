@@ -1,0 +1,46 @@
+"""Drafter kinds: which class a checkpoint holds (its config's `model_type`), and which draft mode uses it.
+
+    rnn      ReDrafter (drafter.py)          model_type "recurrent_drafting_drafter" (or none: Apple's format)
+    medusa   Medusa-1 heads (medusa.py)      model_type "medusa"
+    semi_ar  semi-AR drafter (semi_ar.py)    model_type "semi_ar_drafter"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+import mlx.core as mx
+
+from . import medusa, semi_ar
+from .drafter import MODEL_TYPE as REDRAFTER_TYPE
+from .drafter import Drafter, load_drafter, read_checkpoint
+from .errors import UserError
+from .medusa import MedusaHeads
+from .semi_ar import SemiARDrafter
+
+AnyDrafter = Union[Drafter, MedusaHeads, SemiARDrafter]
+LOADERS = {REDRAFTER_TYPE: load_drafter, medusa.MODEL_TYPE: medusa.load_medusa,
+           semi_ar.MODEL_TYPE: semi_ar.load_semi_ar}
+MODE_OF_TYPE = {REDRAFTER_TYPE: "rnn", medusa.MODEL_TYPE: "medusa", semi_ar.MODEL_TYPE: "semi_ar"}
+NAMES = {"rnn": "ReDrafter (rnn)", "medusa": "Medusa", "semi_ar": "semi-AR"}  # per draft mode, for messages
+
+
+def load_any_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> AnyDrafter:
+    """Load a drafter directory of any kind, dispatching on its config's model_type; one-line errors."""
+    cfg, weights_file = read_checkpoint(path)
+    model_type = cfg.get("model_type", REDRAFTER_TYPE)
+    if "medusa_num_heads" in cfg and model_type != medusa.MODEL_TYPE:
+        raise UserError(f"{weights_file.parent} is a Medusa checkpoint in the FasterDecoding layout: convert it with "
+                        f"`python -m convert.from_torch {weights_file.parent}`")
+    if model_type not in LOADERS:
+        raise UserError(f"{weights_file.parent / 'config.json'}: unknown drafter model_type {model_type!r} (known: "
+                        f"{', '.join(LOADERS)})")
+    return LOADERS[model_type](path, dtype)
+
+
+def draft_kind(drafter: AnyDrafter | None) -> str | None:
+    """The draft mode a drafter serves: 'rnn', 'medusa', 'semi_ar' (None: no drafter)."""
+    if drafter is None:
+        return None
+    return MODE_OF_TYPE[drafter.args.model_type]
