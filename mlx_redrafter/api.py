@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -15,17 +16,23 @@ import mlx.core as mx
 
 from .cache import KVCache
 from .defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
-from .drafter import Drafter, check_compatible, load_drafter, random_drafter
+from .drafter import Drafter, check_compatible, dequantize_drafter, random_drafter
 from .errors import UserError
 from .generate import Stats, generate_ar, generate_speculative
+from .kinds import NAMES as KIND_NAMES
+from .kinds import AnyDrafter, draft_kind, load_any_drafter
 from .loader import DEFAULT_MODEL, Target, load_target
 from .lookup import NgramIndex, SuffixIndex
+from .medusa import MedusaSource
+from .medusa_trees import DEFAULT_TREE, parse_tree
 from .sampling import GREEDY, Sampling
+from .semi_ar import SemiARSource
 from .sources import Allocator, LookupSource, RnnSource, Slot
 from .tokenizer import StreamingDetokenizer
 
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 DRAFT_MODES = ("auto", "rnn", "lookup", "rnn+lookup", "none")
+HEAD_MODES = ("medusa", "semi_ar")  # drafting by a Medusa / semi-AR checkpoint (--drafter DIR of that kind)
 LOOKUP_INDEXES = {"ngram": NgramIndex, "suffix": SuffixIndex}
 
 
@@ -34,7 +41,7 @@ class Runner:
     """A loaded target model with an optional drafter."""
 
     target: Target
-    drafter: Drafter | None
+    drafter: AnyDrafter | None
     drafter_name: str
 
     @property
@@ -44,7 +51,8 @@ class Runner:
 
 @dataclass
 class DecodeOptions:
-    """How to decode. `draft`: auto (rnn+lookup with a drafter, else lookup), rnn, lookup, rnn+lookup, none."""
+    """How to decode. `draft`: auto (rnn+lookup with a drafter, else lookup; medusa / semi_ar with a drafter of
+    that kind), rnn, lookup, rnn+lookup, medusa, semi_ar, none."""
 
     draft: str = "auto"
     beam_width: int = DEFAULT_BEAM_WIDTH  # W: candidates of the recurrent drafter
@@ -54,10 +62,13 @@ class DecodeOptions:
     max_tokens: int = 256
     sampling: Sampling = GREEDY
     adaptive: bool = True  # back off a source that keeps failing (lookup on text it cannot copy)
+    medusa_tree: str = DEFAULT_TREE  # draft medusa: the static tree (medusa_trees.TREES, or NAME:N), cut at L-1
 
     def check(self) -> None:
-        if self.draft not in DRAFT_MODES:
-            raise UserError(f"--draft must be one of {', '.join(DRAFT_MODES)} (got {self.draft!r})")
+        if self.draft not in DRAFT_MODES + HEAD_MODES:
+            raise UserError(f"--draft must be one of {', '.join(DRAFT_MODES + HEAD_MODES)} (got {self.draft!r})")
+        if self.draft == "medusa":
+            parse_tree(self.medusa_tree)
         if self.lookup not in LOOKUP_INDEXES:
             raise UserError(f"--lookup must be one of {', '.join(LOOKUP_INDEXES)} (got {self.lookup!r})")
         if self.draft != "none":
@@ -113,7 +124,7 @@ def parse_drafter_spec(spec: str | None) -> DrafterSpec:
     return DrafterSpec("path", path=spec)
 
 
-def resolve_drafter(spec: str | None, target: Target) -> tuple[Drafter | None, str]:
+def resolve_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None, str]:
     """(drafter, name) for a spec; 'default' is the shipped drafter of this model, or none."""
     d = parse_drafter_spec(spec)
     args, act = target.model.args, target.model.dtype
@@ -125,11 +136,26 @@ def resolve_drafter(spec: str | None, target: Target) -> tuple[Drafter | None, s
         path = shipped_drafter_path(target.name)
         if path is None:
             return None, "none"
-        drafter, name = load_drafter(path, dtype=act), f"shipped:{target.name}"
+        drafter, name = load_any_drafter(path, dtype=act), f"shipped:{target.name}"
     else:
-        drafter, name = load_drafter(d.path, dtype=act), d.path
+        drafter, name = load_any_drafter(d.path, dtype=act), d.path
     check_compatible(drafter.args, args.hidden_size, args.vocab_size, name)
+    quantized = isinstance(drafter, Drafter) and drafter.args.quantization
+    if quantized and act == mx.float32 and mx.default_device() == mx.cpu:
+        _say_once(f"drafter {name} is {drafter.args.quantization['bits']}-bit quantized: dequantized to float32 "
+                  f"(a float32 target on a CPU backend, where quantized matmuls are slow)")
+        drafter = dequantize_drafter(drafter)
     return drafter, name
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A notice on stderr (logging's last-resort handler unless logging is configured), once per message."""
+    if message not in _said:
+        _said.add(message)
+        logging.getLogger("mlx_redrafter").warning(message)
 
 
 def load(model: str | None = None, drafter: str | None = "default", dtype: str = "auto") -> Runner:
@@ -157,13 +183,19 @@ def encode_prompt(runner: Runner, prompt: str | list[int], chat: bool = True) ->
 
 
 def draft_mode(runner: Runner, options: DecodeOptions) -> str:
-    """The drafting actually used: 'auto' resolved; 'rnn' without a drafter is an error."""
-    mode = options.draft
+    """The drafting actually used: 'auto' resolved; 'rnn' without a drafter is an error, and so is a mode whose
+    drafter kind (rnn, medusa, semi_ar) is not the loaded drafter's."""
+    mode, kind = options.draft, draft_kind(runner.drafter)
     if mode == "auto":
-        return "rnn+lookup" if runner.drafter is not None else "lookup"
+        return kind if kind in HEAD_MODES else "rnn+lookup" if runner.drafter is not None else "lookup"
     if "rnn" in mode and runner.drafter is None:
         raise UserError(f"--draft {mode} needs a drafter, but {runner.target.name} has none: use --draft lookup "
                         f"or pass --drafter DIR")
+    needs = "rnn" if "rnn" in mode else mode if mode in HEAD_MODES else None
+    if needs is not None and kind != needs:
+        have = f"{runner.drafter_name} is a {KIND_NAMES[kind]} drafter" if kind else f"{runner.target.name} has none"
+        raise UserError(f"--draft {mode} needs a {KIND_NAMES[needs]} drafter, but {have}: pass --drafter DIR with "
+                        f"one" + (f", or use --draft {kind}" if kind else ""))
     return mode
 
 
@@ -175,6 +207,11 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
     slots = []
     if "rnn" in mode:
         slots.append(Slot(RnnSource(runner.drafter, runner.target.model.embed), options.beam_width))
+    if mode == "medusa":
+        medusa = MedusaSource(runner.drafter, options.medusa_tree)
+        slots.append(Slot(medusa, medusa.num_paths(options.beam_length)))
+    if mode == "semi_ar":
+        slots.append(Slot(SemiARSource(runner.drafter, runner.target.model.embed), options.beam_width))
     if "lookup" in mode:
         slots.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup]), options.lookup_width))
     return Allocator(slots, adaptive=options.adaptive)
@@ -219,8 +256,9 @@ def settings(runner: Runner, options: DecodeOptions) -> dict:
     mode = draft_mode(runner, options)
     return {
         "model": runner.target.name, "dtype": runner.target.dtype, "draft": mode,
-        "drafter": runner.drafter_name if "rnn" in mode else "none",
-        "beam_width": options.beam_width if "rnn" in mode else 0,
+        "drafter": runner.drafter_name if "rnn" in mode or mode in HEAD_MODES else "none",
+        "beam_width": options.beam_width if "rnn" in mode or mode == "semi_ar" else 0,
+        **({"medusa_tree": options.medusa_tree} if mode == "medusa" else {}),
         "beam_length": options.beam_length if mode != "none" else 0,
         "lookup_width": options.lookup_width if "lookup" in mode else 0,
         "lookup": options.lookup if "lookup" in mode else "none",
