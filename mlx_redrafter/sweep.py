@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .api import DRAFT_MODES, DecodeOptions, Runner, encode_prompt, settings
+from .api import DRAFT_MODES, HEAD_MODES, DecodeOptions, Runner, encode_prompt, settings
 from .api import decode as api_decode
 from .defaults import (
     DEFAULT_LOOKUP_WIDTH,
@@ -59,15 +59,17 @@ def config_name(draft: str, width: int = 0, length: int = 0, sampling: Sampling 
 
 def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_tokens: int,
                  sampling: Sampling = GREEDY, lookup_width: int = DEFAULT_LOOKUP_WIDTH) -> list[Config]:
-    """AR plus every draft mode x width x length. The width is W for 'rnn' and 'rnn+lookup' (whose lookup
-    width stays `lookup_width`) and the lookup width for 'lookup'."""
+    """AR plus every draft mode x width x length. The width is W for 'rnn', 'rnn+lookup' (whose lookup width
+    stays `lookup_width`) and 'semi_ar', the lookup width for 'lookup', and the number of nodes of Medusa's
+    tree (the first W nodes of mc_sim_7b_63) for 'medusa'."""
     base = DecodeOptions(draft="none", max_tokens=max_tokens, sampling=sampling)
     configs = [Config(config_name("none", sampling=sampling), base)]
     for draft in drafts:
         for w in widths:
             for length in lengths:
-                opts = replace(base, draft=draft, beam_width=w if "rnn" in draft else 1, beam_length=length,
-                               lookup_width=w if draft == "lookup" else lookup_width)
+                opts = replace(base, draft=draft, beam_width=w if "rnn" in draft or draft == "semi_ar" else 1,
+                               beam_length=length, lookup_width=w if draft == "lookup" else lookup_width,
+                               medusa_tree=f"mc_sim_7b_63:{w}" if draft == "medusa" else base.medusa_tree)
                 opts.check()
                 configs.append(Config(config_name(draft, w, length, sampling), opts))
     return configs
@@ -109,9 +111,9 @@ def parse_drafts(text: str | None, has_drafter: bool) -> list[str]:
     if text is None:
         return list(SWEEP_DRAFTS) if has_drafter else ["lookup"]
     drafts = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in drafts if d not in DRAFT_MODES or d in ("auto", "none")]
+    bad = [d for d in drafts if d not in DRAFT_MODES + HEAD_MODES or d in ("auto", "none")]
     if bad or not drafts:
-        raise UserError(f"--drafts takes a comma list of rnn, lookup, rnn+lookup (got {text!r})")
+        raise UserError(f"--drafts takes a comma list of rnn, lookup, rnn+lookup, medusa, semi_ar (got {text!r})")
     if not has_drafter and any("rnn" in d for d in drafts):
         raise UserError("--drafts rnn / rnn+lookup need a drafter, and there is none: pass --drafter DIR (or "
                         "random:0 for a smoke run), or --drafts lookup")

@@ -65,7 +65,7 @@ def test_bad_input_is_one_line_error(tmp_path):
                          (["sweep", "--device", "x", "--widths", "0", "--out-dir", str(tmp_path)], "--widths"),
                          (["sweep", "--device", "x", "--temperatures", "hot", "--out-dir", str(tmp_path)],
                           "--temperatures"),
-                         (["sweep", "--device", "x", "--drafts", "medusa", "--out-dir", str(tmp_path)], "--drafts"),
+                         (["sweep", "--device", "x", "--drafts", "bogus", "--out-dir", str(tmp_path)], "--drafts"),
                          (["parity", "--device", "tpu"], "--device")):
         res = CliRunner().invoke(app, args)
         lines = [ln for ln in res.output.splitlines() if ln.strip()]

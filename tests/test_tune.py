@@ -56,7 +56,7 @@ def test_corrupt_tuned_file_is_one_line_error(tuned_file):
 
 
 def test_bad_tune_arguments_are_one_line_errors(tuned_file):
-    for args, needle in ((["--widths", "a"], "--widths"), (["--drafts", "medusa"], "--drafts"),
+    for args, needle in ((["--widths", "a"], "--widths"), (["--drafts", "bogus"], "--drafts"),
                          (["--max-tokens", "1"], "--max-tokens")):
         res = CliRunner().invoke(app, ["tune", "--drafter", "random:0", "--force", *args])
         assert res.exit_code == 2 and res.output.startswith("error: ") and needle in res.output, res.output

@@ -73,8 +73,11 @@ def int_list(text: str, flag: str) -> list[int]:
 
 
 # Decoding flags shared by generate / chat (None = not given: tuned entry or default applies).
-Draft = typer.Option(None, "--draft", help="Drafting: auto (rnn+lookup with a drafter, else lookup), rnn, lookup, "
-                                           "rnn+lookup, none \\[tuned, else auto].")
+Draft = typer.Option(None, "--draft", help="Drafting: auto (the drafter's own kind: rnn+lookup for a ReDrafter, else "
+                                           "lookup without one), rnn, lookup, rnn+lookup, medusa, semi_ar, none "
+                                           "\\[tuned, else auto].")
+MedusaTree = typer.Option(None, "--medusa-tree", help="Medusa's static tree: cpu (7 nodes), mc_sim_7b_63, or NAME:N "
+                                                      "(its first N nodes) \\[cpu].")
 NoDraft = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (= --draft none).")
 BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the recurrent drafter \\[tuned, else 1].")
 BeamLength = typer.Option(None, "--beam-length", "-l",
@@ -93,7 +96,7 @@ TypicalDelta = typer.Option(0.3, "--typical-delta", help="Typical acceptance: en
 
 
 def decode_flags(draft: str | None, no_draft: bool, beam_width: int | None, beam_length: int | None,
-                 lookup_width: int | None) -> dict[str, Any]:
+                 lookup_width: int | None, medusa_tree: str | None = None) -> dict[str, Any]:
     """The decoding flags the user gave (None where not given)."""
     return {"draft": "none" if no_draft else draft, "beam_width": beam_width, "beam_length": beam_length,
-            "lookup_width": lookup_width}
+            "lookup_width": lookup_width, "medusa_tree": medusa_tree}

@@ -25,6 +25,7 @@ def generate(
     beam_length: int | None = c.BeamLength,
     lookup_width: int | None = c.LookupWidth,
     lookup: str = c.Lookup,
+    medusa_tree: str | None = c.MedusaTree,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most new tokens per prompt."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
     temp: float = c.Temp, top_p: float = c.TopP, top_k: int = c.TopK, min_p: float = c.MinP,
@@ -43,11 +44,12 @@ def generate(
         raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
     sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
     base = api.DecodeOptions(lookup=lookup, max_tokens=max_tokens, sampling=sampling)
-    res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width),
+    res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width,
+                                                         medusa_tree),
                          dtype, base)
     res.options.check()
     prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
-    need_drafter = res.options.draft in ("auto", "rnn", "rnn+lookup")
+    need_drafter = res.options.draft in ("auto", "rnn", "rnn+lookup", "medusa", "semi_ar")
     runner = api.load(model, drafter if need_drafter else "none", res.dtype)
     if res.options.draft == "auto":
         from ..chat import drafting_fallback
