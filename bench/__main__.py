@@ -38,6 +38,28 @@ def float_list(text: str, flag: str) -> list[float]:
     return vals
 
 
+SLOW_ON_CPU = ("float16", "bfloat16", "quantized")
+
+
+def warn_slow_dtypes(dtypes: list[str]) -> None:
+    """One stderr line when a dtype that is slow on MLX's CPU backend is asked for on a CPU backend."""
+    import mlx.core as mx
+
+    slow = [d for d in dtypes if d in SLOW_ON_CPU]
+    if slow and mx.default_device() == mx.cpu:
+        typer.echo(f"warning: {', '.join(slow)} on a CPU backend: MLX's CPU float16 / bfloat16 / quantized matmuls "
+                   "skip BLAS and run 5-30x (quantized with float16 activations ~40x) slower than float32: expect a "
+                   "long run (see bench/README.md)", err=True)
+
+
+def dtype_list(text: str) -> list[str]:
+    """Comma-separated explicit dtypes (float32, float16, bfloat16, quantized); a one-line UserError otherwise."""
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    if not names or any(d not in ("float32", "float16", "bfloat16", "quantized") for d in names):
+        raise UserError(f"--dtypes takes float32, float16, bfloat16, quantized (got {text!r})")
+    return names
+
+
 @app.command()
 @c.one_line_errors
 def sweep(
@@ -76,6 +98,7 @@ def sweep(
         max_tokens=grid["max_tokens"] if max_tokens is None else max_tokens,
         num_prompts=grid["num_prompts"] if num_prompts is None else num_prompts, prompts_file=prompts_file,
         repeats=grid["repeats"] if repeats is None else repeats, mlx_lm=mlx_lm, profile=profile)
+    warn_slow_dtypes(spec.dtypes)
     res = run_bench(spec, out_dir, progress=True)
     typer.echo(f"wrote {res['dir']}: " + ", ".join(res["files"].values()) + ", README.md")
     if not res["quiet"]:
@@ -134,6 +157,141 @@ def ablate(
     run_ablation(names, corpus, features, runs, out, {"steps": steps}, eval_prompts, eval_tokens,
                  [(1, 4), (4, 4)], log=lambda m: typer.echo(m, err=True))
     typer.echo(f"wrote {out / 'drafter-ablation.md'}")
+
+
+@app.command("dtype-agreement")
+@c.one_line_errors
+def dtype_agreement(
+    dtypes: str = typer.Option("float32,bfloat16,float16,quantized", help="Comma-separated dtypes to run."),
+    num_prompts: int = typer.Option(10, help="MT-bench first turns, spread over the categories."),
+    max_tokens: int = typer.Option(64, help="New tokens per prompt."),
+    quantized_prompts: int = typer.Option(2, help="Prompts for quantized (~4.5 s per token row on a CPU backend)."),
+    quantized_tokens: int = typer.Option(16, help="New tokens per prompt for quantized."),
+    calibrate: int = typer.Option(2, help="Prompts whose AR logits calibrate the tie bound (quantized: 1)."),
+    calibrate_positions: int = typer.Option(32, help="AR positions per calibration prompt (quantized: <= 12)."),
+    runs: str | None = typer.Option(None, help="Comma-separated runs (default: all five; quantized: three)."),
+    calibrate_only: bool = typer.Option(False, "--calibrate-only", help="Only measure each dtype's rounding "
+                                        "against float32 on the same weights (--calibrate prompts x "
+                                        "--calibrate-positions tokens), then the report."),
+    mlx_lm_only: bool = typer.Option(False, "--mlx-lm-only", help="Only compare our logits with mlx-lm's on the "
+                                                                    "same weights (per dtype), then the report."),
+    report_only: bool = typer.Option(False, "--report-only", help="Only rebuild agreement.json / README.md."),
+    out_dir: Path = typer.Option(Path(__file__).resolve().parent / "results" / "cpu" / "dtype-agreement",
+                                 help="Output folder."),
+) -> None:
+    """Speculative vs AR token agreement per dtype on the full model (tie-aware rule) -> OUT_DIR."""
+    from .dtype_agreement import RUNS, calibrate_vs_float32, mlx_lm_check, run, write_report
+
+    names = dtype_list(dtypes)
+    picked = [r.strip() for r in runs.split(",") if r.strip()] if runs else None
+    known = [r[0] for r in RUNS]
+    if picked is not None and (not picked or any(r not in known for r in picked)):
+        raise UserError(f"--runs takes a comma list of {', '.join(known)} (got {runs!r})")
+    if min(num_prompts, max_tokens, quantized_prompts, quantized_tokens) < 1:
+        raise UserError("--num-prompts, --max-tokens, --quantized-prompts and --quantized-tokens must be >= 1")
+    warn_slow_dtypes(names)
+    if calibrate_only:
+        for d in names:
+            calibrate_vs_float32(d, calibrate, calibrate_positions, out_dir, log=lambda m: typer.echo(m, err=True))
+        write_report(out_dir)
+    elif mlx_lm_only:
+        mlx_lm_check(names, out_dir=out_dir, log=lambda m: typer.echo(m, err=True))
+        write_report(out_dir)
+    elif report_only:
+        write_report(out_dir)
+    else:
+        run(names, num_prompts, max_tokens, quantized_prompts, quantized_tokens, calibrate, calibrate_positions,
+            out_dir, picked, log=lambda m: typer.echo(m, err=True))
+    typer.echo(f"wrote {out_dir / 'agreement.json'} and {out_dir / 'README.md'}")
+
+
+@app.command("quant-layouts")
+@c.one_line_errors
+def quant_layouts(
+    repeats: int = typer.Option(3, help="Timed repeats per N (median kept)."),
+    slow_repeats: int = typer.Option(1, help="Repeats for float16-activation layouts (~4.5 s per token row)."),
+    out_dir: Path = typer.Option(Path(__file__).resolve().parent / "results" / "cpu", help="Output folder."),
+) -> None:
+    """Quantized layouts (4 / 8 bits, groups 32 / 64 / 128, float32 / bfloat16 / float16 activations) vs float32
+    on this backend: one forward over N = 1, 4, 8 tokens -> quant-layouts.{json,md}."""
+    from .quant_layouts import run as run_layouts
+
+    if min(repeats, slow_repeats) < 1:
+        raise UserError("--repeats and --slow-repeats must be >= 1")
+    warn_slow_dtypes(["quantized"])
+    run_layouts(repeats, slow_repeats, out_dir, log=lambda m: typer.echo(m, err=True))
+    typer.echo(f"wrote {out_dir / 'quant-layouts.json'} and {out_dir / 'quant-layouts.md'}")
+
+
+@app.command("drafter-quant")
+@c.one_line_errors
+def drafter_quant(
+    num_prompts: int = typer.Option(12, help="MT-bench first turns (held out for the drafter)."),
+    max_tokens: int = typer.Option(128, help="New tokens per prompt."),
+    repeats: int = typer.Option(20, help="Beam-search micro-benchmark repeats (median kept)."),
+    out_dir: Path = typer.Option(Path(__file__).resolve().parent / "results" / "cpu", help="Output folder."),
+) -> None:
+    """The shipped drafter quantized to 8 / 4 bits vs as shipped: acceptance and drafting time with the float32
+    target -> quantized-drafter.{json,md}."""
+    from .drafter_quant import run as run_drafter_quant
+
+    if min(num_prompts, max_tokens, repeats) < 1:
+        raise UserError("--num-prompts, --max-tokens and --repeats must be >= 1")
+    run_drafter_quant(num_prompts, max_tokens, repeats, out_dir, log=lambda m: typer.echo(m, err=True))
+    typer.echo(f"wrote {out_dir / 'quantized-drafter.json'} and {out_dir / 'quantized-drafter.md'}")
+
+
+@app.command()
+@c.one_line_errors
+def memory(
+    dtypes: str = typer.Option("float32,float16,quantized", help="Comma-separated dtypes."),
+    out_dir: Path = typer.Option(Path(__file__).resolve().parent / "results" / "cpu", help="Output folder."),
+) -> None:
+    """Peak memory of target + drafter + scratch KV vs AR alone and vs mlx-lm, per dtype -> memory.{json,md}."""
+    from .memory import run as run_memory
+
+    names = dtype_list(dtypes)
+    warn_slow_dtypes(names)
+    report = run_memory(names, out_dir, log=lambda m: typer.echo(m, err=True))
+    typer.echo((out_dir / "memory.md").read_text() if report else "")
+
+
+@app.command()
+@c.one_line_errors
+def profile(
+    device: str = typer.Option("cpu", help="Results go to bench/results/DEVICE/verify-profile.{json,md}."),
+    ns: str = typer.Option("1,2,4,8,16", "--ns", help="Numbers of new tokens N, comma-separated."),
+    repeats: int = typer.Option(15, help="Interleaved repeats (median kept)."),
+    context: int = typer.Option(200, help="Tokens already in the KV cache."),
+) -> None:
+    """Where a verification step's time goes, per component, with and without the small-GEMM path."""
+    import json
+
+    from mlx_redrafter.blas import blas_name, small_gemm_disabled
+    from mlx_redrafter.files import write_atomic
+    from mlx_redrafter.loader import load_target
+    from mlx_redrafter.machine import machine_info
+    from mlx_redrafter.machine_state import MachineWatch
+
+    from .profile_verify import markdown
+    from .profile_verify import profile as run_profile
+
+    model = load_target(None, "float32").model
+    Ns = c.int_list(ns, "--ns")
+    watch = MachineWatch()
+    watch.start()
+    res = {"blas": blas_name(), "small_gemm": run_profile(model, Ns, context, repeats)}
+    with small_gemm_disabled():
+        res["blas_only"] = run_profile(model, Ns, context, repeats)
+    state = watch.stop()
+    res.update(machine=machine_info(), machine_state=state)
+    out = Path(__file__).resolve().parent / "results" / device
+    quiet = "quiet" if state.get("quiet") else "NOT quiet (see machine_state in the JSON)"
+    text = (markdown(res["small_gemm"], f"Verify-step profile, {res['blas']} ({quiet})") + "\n"
+            + markdown(res["blas_only"], f"Same, every product on {res['blas'].split('+')[0]} (small-GEMM path off)"))
+    write_atomic(out / "verify-profile.json", json.dumps(res, indent=1, default=str) + "\n")
+    write_atomic(out / "verify-profile.md", text)
+    typer.echo(text)
 
 
 def main() -> None:

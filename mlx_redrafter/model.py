@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -83,6 +84,28 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+LOG2E = 1.4426950408889634
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_mul_cpu(g: mx.array, u: mx.array) -> mx.array:
+    return g / (1.0 + mx.power(2.0, -LOG2E * g)) * u  # MLX's CPU exp is slow; 2**x is not
+
+
+@partial(mx.compile, shapeless=True)
+def _softmax_cpu(x: mx.array) -> mx.array:
+    e = mx.power(2.0, LOG2E * (x - mx.max(x, axis=-1, keepdims=True)))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def silu_mul(g: mx.array, u: mx.array) -> mx.array:
+    """SiLU(g) * u (the Llama MLP's gate). On a CPU backend exp is computed as a power of two, in one fused
+    kernel: the same function to float rounding, ~3x faster there."""
+    if mx.default_device() == mx.cpu:
+        return _silu_mul_cpu(g, u)
+    return nn.silu(g) * u
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
     """Softmax attention with grouped KV heads: q (B, h, N, D), k/v (B, h_kv, S, D), mask (B|1, 1, N, S) bool.
 
@@ -98,8 +121,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     scores = (q * scale).reshape(B, h_kv, r * N, D) @ k.swapaxes(-1, -2)  # (B, h_kv, r*N, S): rows (head, n)
     if mask is not None:
         scores = mx.where(mx.tile(mask, (1, 1, r, 1)) if r > 1 else mask, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    return (probs @ v).reshape(B, h, N, D)
+    return (_softmax_cpu(scores) @ v).reshape(B, h, N, D)
 
 
 class Attention(nn.Module):
@@ -134,7 +156,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class TransformerBlock(nn.Module):
