@@ -72,3 +72,18 @@ def beam_search(
         chosen = mx.take_along_axis(logp.reshape(B, width * K), top, axis=-1)  # (B, W)
         token_lp = mx.concatenate([mx.take_along_axis(token_lp, src[:, :, None], axis=1), chosen[:, :, None]], -1)
     return beams, token_lp
+
+
+def greedy_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
+                 first_token: mx.array, length: int) -> mx.array:
+    """Beam search with one beam, without the beam bookkeeping: (B, 1, L) int32, column 0 = first_token."""
+    B, H = context.shape
+    tok = first_token.astype(mx.int32)[:, None]  # (B, 1)
+    init = getattr(drafter, "initial_state", None)
+    state = init(B, 1, context.dtype) if init is not None else mx.zeros((B, 1, H), dtype=context.dtype)
+    ctx, out = context[:, None, :], [tok]
+    for _ in range(length - 1):
+        state = drafter.next_state(state, embed(tok))
+        tok = drafter.token_ids(mx.argmax(drafter.logits(ctx, state), axis=-1)).astype(mx.int32)
+        out.append(tok)
+    return mx.concatenate(out, axis=-1)[:, None, :]

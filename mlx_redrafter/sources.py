@@ -18,7 +18,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from .beam_search import beam_search
+from .beam_search import beam_search, greedy_draft
 
 
 @dataclass
@@ -60,6 +60,8 @@ class RnnSource:
         pass
 
     def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        if width == 1:
+            return greedy_draft(self.drafter, self.embed, state.h, state.g0, length)[0]
         beams, _ = beam_search(self.drafter, self.embed, state.h, state.g0, width, length)
         return beams[0]
 
