@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,7 +34,9 @@ from .tokenizer import StreamingDetokenizer
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 DRAFT_MODES = ("auto", "rnn", "lookup", "rnn+lookup", "none")
 HEAD_MODES = ("medusa", "semi_ar")  # drafting by a Medusa / semi-AR checkpoint (--drafter DIR of that kind)
-LOOKUP_INDEXES = {"ngram": NgramIndex, "suffix": SuffixIndex}
+# Lookup indices by name; the "2" variants copy only after a match of at least two tokens (fewer, better drafts).
+LOOKUP_INDEXES = {"ngram": partial(NgramIndex, 4, 1), "ngram2": partial(NgramIndex, 4, 2), "suffix": SuffixIndex,
+                  "suffix2": partial(SuffixIndex, 2)}
 
 
 @dataclass

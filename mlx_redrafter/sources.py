@@ -69,6 +69,8 @@ class RnnSource:
 class LookupSource:
     """Training-free drafts copied from the context (an index of lookup.py kept in step with the tokens)."""
 
+    optional = True  # may sit out (Allocator) when it keeps finding nothing worth verifying
+
     def __init__(self, index_factory: Callable[[], object], name: str = "lookup"):
         self.factory, self.name = index_factory, name
         self.index = index_factory()
@@ -101,10 +103,11 @@ class Slot:
 class Allocator:
     """Shares a step's candidates between sources.
 
-    Fixed (default): every source proposes up to its width every step. Adaptive: each source's recent value is
-    an exponential moving average of the drafts its best candidate had accepted; a source worth less than
-    `min_gain` drafts per step is left out (its candidates would only add verify cost), except on every
-    `probe`-th step, so it comes back as soon as it is useful again (e.g. lookup once the text repeats).
+    Fixed (default): every source proposes up to its width every step. Adaptive: a source that may sit out
+    (`optional`, e.g. lookup, which only sometimes finds text worth copying) is left out while the drafts its
+    best candidates had accepted, an exponential moving average, stay below `min_gain` per step (its candidates
+    would only add verify cost), except on every `probe`-th step, so it comes back as soon as it is useful
+    again. Sources the user sized (the drafter's W) always keep their width.
     """
 
     def __init__(self, slots: list[Slot], adaptive: bool = False, min_gain: float = 0.15, decay: float = 0.8,
@@ -115,11 +118,12 @@ class Allocator:
         self.step = 0
 
     def plan(self) -> list[Slot]:
-        """The slots of the next step (sources left out get width 0)."""
+        """The slots of the next step (sources sitting out get width 0)."""
         self.step += 1
         if not self.adaptive or self.step % self.probe == 0:
             return self.slots
-        return [s if self.gain[s.source.name] >= self.min_gain else Slot(s.source, 0) for s in self.slots]
+        return [Slot(s.source, 0) if getattr(s.source, "optional", False) and self.gain[s.source.name] < self.min_gain
+                else s for s in self.slots]
 
     def update(self, runs: dict[str, int]) -> None:
         """Record the drafts each proposing source's best candidate had accepted in the last step."""

@@ -83,7 +83,8 @@ BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the 
 BeamLength = typer.Option(None, "--beam-length", "-l",
                           help="L: candidate length incl. the first token \\[tuned, else 3].")
 LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context \\[tuned, else 1].")
-Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup) or suffix (suffix automaton).")
+Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), "
+                                                "suffix (suffix automaton), suffix2 (matches of >= 2 tokens).")
 Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")
 TopP = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the top tokens holding this much mass.")
 TopK = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
