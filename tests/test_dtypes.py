@@ -1,0 +1,143 @@
+"""float16, bfloat16 and quantized: greedy speculative output agrees with AR of the same dtype (tie-aware rule,
+`mlx_redrafter.agreement`), and our quantized model matches mlx-lm's on the same packed weights.
+
+These dtypes are slow on MLX's CPU backend (no BLAS: float16 ~10x, quantized with its float16 activations ~40x
+slower than float32; the 49152 x 576 head alone costs ~1 s per token row when quantized). So the tests run the
+real SmolLM2-135M weights cut to their first layers (`agreement.load_first_layers`: the loader's own path for
+each dtype, the final norm and the full tied head kept): 4 layers in float16 / bfloat16, 1 layer and a short
+raw-text prompt in quantized, and few tokens. The full model (10 MT-bench prompts x 64 tokens per dtype, and the
+calibration of the tie bound) is the offline report `python -m bench dtype-agreement`
+(bench/results/cpu/dtype-agreement/).
+"""
+
+from __future__ import annotations
+
+import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
+import pytest
+
+from mlx_redrafter import api
+from mlx_redrafter.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, load_first_layers, tie_bound
+from mlx_redrafter.drafter import random_drafter
+from mlx_redrafter.generate import Stats
+
+LAYERS = {"float16": 4, "bfloat16": 4, "quantized": 1}
+CHAT_PROMPT = "Name three colors, one per line."
+RAW_PROMPT = "One, two, three, four,"  # quantized: few prompt rows
+# mlx-lm vs ours on quantized weights: max |difference| within this many float16 unit roundoffs x max |value|.
+# Measured on the full 30-layer model (bench/results/cpu/dtype-agreement/README.md): 0 here in float16, bfloat16
+# and quantized (bit-identical: MLX's CPU kernels for these dtypes do not depend on how the ops are batched), and
+# 8.5 (hidden) / 13.8 (logits) in float32, where MKL reorders sums; 16 gives a backend whose low-precision kernels
+# reorder sums (Metal) the slack float32 needs here.
+MLX_LM_TOLERANCE = 16
+# (draft mode, drafter, rnn width, lookup width, new tokens) per dtype; L = 3 (the shipped default). Every mode
+# runs in bfloat16 with both drafters; float16 and quantized (slower) run a subset.
+RUNS = {
+    "bfloat16": [("rnn", "shipped", 1, 1, 10), ("rnn", "random", 2, 1, 10), ("lookup", None, 1, 1, 10),
+                 ("rnn+lookup", "shipped", 1, 1, 10), ("rnn+lookup", "random", 1, 1, 10)],
+    "float16": [("rnn", "random", 2, 1, 8), ("lookup", None, 1, 1, 8), ("rnn+lookup", "shipped", 1, 1, 8)],
+    "quantized": [("rnn+lookup", "shipped", 1, 1, 5)],
+}
+CASES = [(dt, *run) for dt, runs in RUNS.items() for run in runs]
+
+
+@pytest.fixture(scope="module")
+def setups() -> dict:
+    """Per dtype, loaded on first use: the cut target, its drafters, the prompt ids and AR outputs by length."""
+    return {}
+
+
+def setup(setups: dict, dtype: str) -> dict:
+    if dtype not in setups:
+        target = load_first_layers(None, LAYERS[dtype], dtype)
+        tok, model = target.tokenizer, target.model
+        shipped, _ = api.resolve_drafter("default", target)
+        assert shipped is not None, "the shipped drafter of the default model is missing"
+        a = model.args
+        setups[dtype] = {
+            "target": target, "ar": {},
+            "drafters": {"shipped": shipped, "random": random_drafter(a.hidden_size, a.vocab_size, seed=0,
+                                                                      exit_dim=128, draft_vocab_size=4096,
+                                                                      dtype=model.dtype)},
+            "ids": tok.encode(RAW_PROMPT) if dtype == "quantized" else tok.encode_chat(
+                [{"role": "user", "content": CHAT_PROMPT}]),
+        }
+    return setups[dtype]
+
+
+def decode(s: dict, options: api.DecodeOptions, drafter: str | None = None,
+           stats: Stats | None = None) -> list[int]:
+    runner = api.Runner(s["target"], s["drafters"][drafter] if drafter else None, drafter or "none")
+    return sum(api.decode(runner, s["ids"], options, stats=stats), [])
+
+
+def ar_output(s: dict, max_tokens: int) -> list[int]:
+    if max_tokens not in s["ar"]:
+        s["ar"][max_tokens] = decode(s, api.DecodeOptions(draft="none", max_tokens=max_tokens))
+    return s["ar"][max_tokens]
+
+
+@pytest.mark.parametrize("dtype,draft,drafter,rnn_width,lookup_width,max_tokens", CASES)
+def test_speculative_agrees_with_ar(setups, dtype, draft, drafter, rnn_width, lookup_width, max_tokens):
+    s = setup(setups, dtype)
+    model = s["target"].model
+    assert model.dtype == (mx.float16 if dtype == "quantized" else getattr(mx, dtype))
+    ar = ar_output(s, max_tokens)
+    stats = Stats()
+    got = decode(s, api.DecodeOptions(draft=draft, beam_width=rnn_width, beam_length=3, lookup_width=lookup_width,
+                                      max_tokens=max_tokens), drafter, stats)
+    result = compare(model, s["ids"], ar, got)
+    assert result.problem() is None, result.problem()
+    assert stats.steps >= 1 and stats.verified_tokens > stats.steps  # packed verification of real candidates ran
+
+
+def test_tie_bound_per_dtype():
+    """float32 keeps DESIGN §4's absolute 1e-4; low precision scales with the unit roundoff and the logits."""
+    assert tie_bound("float32", 30.0) == FP32_TIE == 1e-4
+    for dtype in ("float16", "bfloat16"):
+        assert tie_bound(dtype, 20.0) == pytest.approx(TIE_FACTOR[dtype] * EPSILON[dtype] * 20.0)
+    assert tie_bound("bfloat16", 20.0) > tie_bound("float16", 20.0) > tie_bound("float32", 20.0)
+
+
+def test_quantized_matches_mlx_lm(setups):
+    """Our Llama vs `mlx_lm.models.llama.Model` quantized the same way from our parameters (packed GGUF weights,
+    float16 activations): every post-norm hidden state and the last position's logits."""
+    from bench.mlx_lm_ref import mlx_lm_model
+
+    s = setup(setups, "quantized")
+    model = s["target"].model
+    ref = mlx_lm_model(model)
+    assert any(type(m).__name__ == "QuantizedLinear" for _, m in ref.named_modules())
+    ids = mx.array([s["ids"]])
+    logits, hidden = model(ids, model.make_cache(len(s["ids"])), last_only=True)
+    ref_hidden = ref.model(ids)  # mlx-lm's LlamaModel: post-norm hidden states
+    ref_logits = ref.model.embed_tokens.as_linear(ref_hidden[:, -1:])  # the head on the last position only
+    u = EPSILON["float16"]
+    for ours, theirs in ((hidden, ref_hidden), (logits, ref_logits)):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == mx.float16
+        a, b = ours.astype(mx.float32), theirs.astype(mx.float32)
+        diff, scale = mx.abs(a - b).max().item(), mx.abs(b).max().item()
+        assert diff <= MLX_LM_TOLERANCE * u * scale, (diff, scale)
+    assert mx.argmax(logits[0, -1]).item() == mx.argmax(ref_logits[0, -1]).item()
+
+
+def test_quantized_drafter_is_dequantized_for_a_float32_cpu_target(tmp_path, caplog):
+    """A quantized drafter given to a float32 target on a CPU backend runs dequantized (quantized matmuls skip
+    BLAS there), with one stderr notice; the weights are exactly the dequantized ones."""
+    from mlx_redrafter.drafter import load_drafter, quantize_drafter, save_drafter
+
+    target = load_first_layers(None, 1, "float32")
+    path = save_drafter(quantize_drafter(load_drafter(api.shipped_drafter_path(target.name)), 4, 64), tmp_path / "q4")
+    kept = load_drafter(path)
+    assert kept.args.quantization == {"bits": 4, "group_size": 64}
+    caplog.set_level("WARNING", logger="mlx_redrafter")
+    for _ in range(2):
+        d, _ = api.resolve_drafter(str(path), target)
+        assert d.args.quantization is None and type(d.lm_head[-1]).__name__ == "Linear"
+        assert d.lm_head[-1].weight.dtype == mx.float32
+    q = kept.lm_head[-1]
+    assert mx.array_equal(d.lm_head[-1].weight, mx.dequantize(q.weight, q.scales, q.biases, 64, 4))
+    notices = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
+    assert len(notices) == 1 and "4-bit" in notices[0]
