@@ -14,7 +14,7 @@ endif
 
 .PHONY: setup chat test fuzz bench bench-quick parity train distill lint clean
 
-$(STAMP): pyproject.toml setup.py mlx_redrafter/csrc/smallgemm.c
+$(STAMP): pyproject.toml setup.py mlx_redrafter/system/csrc/smallgemm.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip "setuptools>=77"
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"

@@ -83,6 +83,7 @@ def sweep(
     profile: bool = typer.Option(True, "--profile/--no-profile", help="Profile the best cell's step phases "
                                                                       "after the sweep."),
     temperatures: str = typer.Option("0", help="Comma-separated sampling temperatures (0 = greedy)."),
+    accepts: str = typer.Option("exact", help="Acceptance rules at T > 0: exact, typical or exact,typical."),
     out_dir: Path = typer.Option(Path(__file__).resolve().parent / "results", help="Results root."),
 ) -> None:
     """The full benchmark: draft modes x widths x lengths vs our AR and mlx-lm's AR, interleaved per prompt."""
@@ -93,6 +94,7 @@ def sweep(
         device=device, model=model, drafter=drafter, drafts=drafts,
         dtypes=[d.strip() for d in dtypes.split(",") if d.strip()],
         temperatures=float_list(temperatures, "--temperatures"),
+        accepts=[a.strip() for a in accepts.split(",") if a.strip()],
         widths=c.int_list(widths, "--widths") if widths else list(grid["widths"]),
         lengths=c.int_list(lengths, "--lengths") if lengths else list(grid["lengths"]),
         max_tokens=grid["max_tokens"] if max_tokens is None else max_tokens,
@@ -267,11 +269,11 @@ def profile(
     """Where a verification step's time goes, per component, with and without the small-GEMM path."""
     import json
 
-    from mlx_redrafter.blas import blas_name, small_gemm_disabled
     from mlx_redrafter.files import write_atomic
-    from mlx_redrafter.loader import load_target
-    from mlx_redrafter.machine import machine_info
-    from mlx_redrafter.machine_state import MachineWatch
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.system.blas import blas_name, small_gemm_disabled
+    from mlx_redrafter.system.machine import machine_info
+    from mlx_redrafter.system.machine_state import MachineWatch
 
     from .profile_verify import markdown
     from .profile_verify import profile as run_profile

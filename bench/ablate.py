@@ -35,16 +35,25 @@ VARIANTS: dict[str, tuple[dict[str, Any], int | None]] = {
     "corpus-0.5M": ({}, 500_000),
     "corpus-1M": ({}, 1_000_000),
     "corpus-2M": ({}, 2_000_000),
+    # the seed papers' other drafters, same corpus and budget (decoded with their own draft mode)
+    "kind-medusa": ({"kind": "medusa"}, None),
+    "kind-semi_ar_transformer": ({"kind": "semi_ar_transformer"}, None),
+    "kind-semi_ar_lstm": ({"kind": "semi_ar_lstm"}, None),
 }
+
+
+def draft_mode(kind: str) -> str:
+    """The decode mode that drafts with a drafter of this kind."""
+    return "rnn" if kind == "redrafter" else "medusa" if kind == "medusa" else "semi_ar"
 
 
 def run_ablation(names: list[str], corpus_root: Path, features_root: Path, runs_root: Path, out_dir: Path,
                  base: dict[str, Any], eval_prompts: int, eval_tokens: int, shapes: list[tuple[int, int]],
                  log=print) -> dict[str, Any]:
     """Train and measure the named variants; returns (and writes) all results so far."""
-    from mlx_redrafter.loader import load_target
-    from mlx_redrafter.machine import machine_info
-    from mlx_redrafter.machine_state import loadavg
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.system.machine import machine_info
+    from mlx_redrafter.system.machine_state import loadavg
     from mlx_redrafter.train.evaluate import heldout_prompt_ids, run_eval
     from mlx_redrafter.train.loop import TrainConfig, train_drafter
     from mlx_redrafter.train.pipeline import prepare, save_shipped
@@ -69,12 +78,16 @@ def run_ablation(names: list[str], corpus_root: Path, features_root: Path, runs_
         tr, ho, used = prepare(target, corpus_root, features_root, max_tokens, log=log)
         drafter, summary = train_drafter(target, tr, ho, run, cfg, log=log)
         save_shipped(drafter, run / "final", "")
-        ev = run_eval(str(run / "final"), None, sorted({w for w, _ in shapes}),
-                      sorted({L for _, L in shapes}), prompts, eval_tokens, "the corpus' held-out shard", log=None)
+        mode = draft_mode(cfg.kind)
+        cell_shapes = shapes if mode != "medusa" else sorted({(1, L) for _, L in shapes})  # Medusa: tree, no W
+        ev = run_eval(str(run / "final"), None, sorted({w for w, _ in cell_shapes}),
+                      sorted({L for _, L in cell_shapes}), prompts, eval_tokens, "the corpus' held-out shard",
+                      draft=mode, log=None)
         cells = {f"W{r['W']}L{r['L']}": r["tokens_per_step"] for r in ev["results"]
-                 if (r["W"], r["L"]) in shapes}
+                 if (r["W"], r["L"]) in cell_shapes}
         results["variants"][name] = {
-            "key": key, "overrides": overrides, "corpus_tokens": used["train_response_tokens"],
+            "key": key, "overrides": overrides, "kind": cfg.kind, "draft": mode,
+            "corpus_tokens": used["train_response_tokens"],
             "train_sequences": used["train_sequences"], "params": summary["params"],
             "steps": cfg.steps, "positions_seen": cfg.steps * cfg.batch_size,
             "train_s": summary["train_time_s"], "heldout_loss": summary["final"]["val_loss"],

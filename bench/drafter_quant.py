@@ -39,7 +39,7 @@ def drafter_bytes(d: Any) -> int:
 def time_beam_search(drafter: Any, embed: Callable, context: mx.array, width: int, length: int,
                      repeats: int) -> float:
     """Median ms of one beam search (W beams of length L) from one context, evaluated."""
-    from mlx_redrafter.beam_search import beam_search
+    from mlx_redrafter.draft.beam_search import beam_search
 
     g0 = mx.array([504], dtype=mx.int32)
     runs = []
@@ -55,10 +55,10 @@ def run(num_prompts: int = 12, max_tokens: int = 128, repeats: int = 20, out_dir
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Quantize, decode, time; write quantized-drafter.json / .md under `out_dir`."""
     from mlx_redrafter import api
-    from mlx_redrafter.drafter import dequantize_drafter, load_drafter, quantize_drafter, save_drafter
+    from mlx_redrafter.draft.redrafter import dequantize_drafter, load_drafter, quantize_drafter, save_drafter
     from mlx_redrafter.generate import Stats
-    from mlx_redrafter.machine_state import MachineWatch
     from mlx_redrafter.prompts import first_turns
+    from mlx_redrafter.system.machine_state import MachineWatch
 
     from .dtype_agreement import machine_brief
 

@@ -101,11 +101,11 @@ def run_dtype(dtype: str, num_prompts: int, max_tokens: int, calibrate_prompts: 
               runs: list[tuple], out: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every run on every prompt for one dtype; the raw record is rewritten to `out` after each prompt."""
     from mlx_redrafter.api import resolve_drafter
-    from mlx_redrafter.drafter import random_drafter
+    from mlx_redrafter.draft.redrafter import random_drafter
     from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
-    from mlx_redrafter.loader import load_target
-    from mlx_redrafter.machine_state import MachineWatch
+    from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
+    from mlx_redrafter.system.machine_state import MachineWatch
 
     watch = MachineWatch()
     watch.start()
@@ -162,7 +162,7 @@ def mlx_lm_check(dtypes: list[str], text: str = "The capital of France is Paris.
                  out_dir: Path = OUT_DIR, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Our full model vs mlx-lm's Llama on the same (packed) weights: max |difference| of the post-norm hidden
     states (every position) and of the last position's logits, in units of EPSILON * max |value|."""
-    from mlx_redrafter.loader import load_target
+    from mlx_redrafter.models.loader import load_target
 
     from .mlx_lm_ref import mlx_lm_model
 
@@ -195,8 +195,8 @@ def float32_reference(target: Any) -> Any:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlx_redrafter.loader import load_target
     from mlx_redrafter.model import Model
+    from mlx_redrafter.models.loader import load_target
 
     if target.dtype != "quantized":
         return load_target(None, "float32").model
@@ -221,7 +221,7 @@ def calibrate_vs_float32(dtype: str, num_prompts: int, positions: int, out_dir: 
     Also the flips rounding causes: AR in `dtype` vs AR of the float32 reference on each prompt, judged by
     `compare` (the gap of the `dtype` path where they first differ): real rounding flips to set the bound by."""
     from mlx_redrafter.generate import generate_ar
-    from mlx_redrafter.loader import load_target
+    from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
 
     target = load_target(None, dtype)
@@ -395,7 +395,7 @@ def machine_brief() -> dict[str, Any]:
     """`uptime` and the busy processes right now."""
     import subprocess
 
-    from mlx_redrafter.machine_state import snapshot
+    from mlx_redrafter.system.machine_state import snapshot
 
     snap = snapshot(1.0)
     busy = ", ".join(f"{p['name']} (nice {p['nice']}, {p['cpu_percent']:.0f}%)" for p in snap.get("busy") or [])

@@ -59,7 +59,7 @@ def _mlx_lm_peak(model: Any, ids: list[int], max_tokens: int) -> float:
 
 def _quantized_copy(drafter: Any) -> Any:
     """A 4-bit (group 64) copy of a drafter, for its size."""
-    from mlx_redrafter.drafter import Drafter, quantize_drafter
+    from mlx_redrafter.draft.redrafter import Drafter, quantize_drafter
 
     copy = Drafter(drafter.args.__class__(**{**drafter.args.__dict__}))
     copy.load_weights(tree_flatten(drafter.parameters()))
@@ -70,7 +70,7 @@ def measure(dtype: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One dtype: computed sizes and measured peaks (MB)."""
     from mlx_redrafter import api
     from mlx_redrafter.generate import Stats
-    from mlx_redrafter.loader import load_target
+    from mlx_redrafter.models.loader import load_target
 
     gc.collect()
     mx.clear_cache()
@@ -115,7 +115,7 @@ def measure(dtype: str, log: Callable[[str], None] = print) -> dict[str, Any]:
 
 def run(dtypes: list[str], out_dir: Path = OUT, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every dtype; write memory.json and memory.md under `out_dir`."""
-    from mlx_redrafter.machine_state import MachineWatch
+    from mlx_redrafter.system.machine_state import MachineWatch
 
     from .dtype_agreement import machine_brief
 

@@ -50,7 +50,7 @@ class MlxLmDecoder:
 
         mlx-lm runs on the process's BLAS (MKL when preloaded) but never on our small-GEMM path, which it does
         not ship: it is timed as a user of mlx-lm with an optimized BLAS would run it."""
-        from mlx_redrafter.blas import small_gemm_disabled
+        from mlx_redrafter.system.blas import small_gemm_disabled
 
         with small_gemm_disabled():
             return self._decode(prompt, options)

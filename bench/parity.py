@@ -85,7 +85,7 @@ def drafter_tree_parity(mlx_model: Any, hf: Any, drafter: Any, t_drafter: Any, i
     from bench.torch_ref import drafter as tdraft
     from bench.torch_ref import target as ttarget
     from bench.torch_ref import tree as ttree
-    from mlx_redrafter.beam_search import beam_search
+    from mlx_redrafter.draft.beam_search import beam_search
     from mlx_redrafter.sources import DecodeState
     from mlx_redrafter.step import prefill, speculative_step
     from mlx_redrafter.tree import pack, verify_mask
@@ -201,7 +201,7 @@ def tokenizer_parity(target: Any, spec: str | None, texts: list[str]) -> dict[st
     """Our tokenizer vs transformers' tokenizer from the same GGUF (raw text, no chat template)."""
     from transformers import AutoTokenizer
 
-    from mlx_redrafter.loader import resolve_model
+    from mlx_redrafter.models.loader import resolve_model
 
     _, path = resolve_model(spec)
     try:
@@ -222,7 +222,7 @@ def run(device: str, model: str | None, drafter_spec: str | None, n_prompts: int
 
     from bench.torch_ref.drafter import from_mlx
     from bench.torch_ref.target import load_hf_target
-    from mlx_redrafter.loader import load_target
+    from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
 
     if device == "cuda" and not torch.cuda.is_available():

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 
 from mlx_redrafter.files import write_atomic  # noqa: E402
-from mlx_redrafter.sweep import is_cell  # noqa: E402
+from mlx_redrafter.sweep import cell_width, is_cell  # noqa: E402
 
 NAN = float("nan")
 
@@ -35,23 +35,23 @@ def _save(fig: Any, path: Path) -> str:
     return path.name
 
 
-def width_of(s: dict) -> int:
-    """The cell's width: W for the rnn modes, the lookup width for lookup."""
-    return s["beam_width"] if "rnn" in s["draft"] else s["lookup_width"]
+width_of = cell_width  # W, lookup width or Medusa tree nodes (mlx_redrafter.sweep)
 
 
 def _panels(summary: list[dict], size: tuple[float, float]) -> tuple[Any, list[tuple[Any, str, list[dict]]]]:
     """A figure with one axis per (dtype, temperature) row x draft mode column, and each axis's cells."""
     cells = [s for s in summary if is_cell(s)]
-    drafts = sorted({s["draft"] for s in cells}, key=["rnn", "lookup", "rnn+lookup"].index)
-    groups = sorted({(s["dtype"], s["temperature"]) for s in cells})
+    order = ["rnn", "lookup", "rnn+lookup", "medusa", "semi_ar"]
+    drafts = sorted({s["draft"] for s in cells}, key=lambda d: (order.index(d) if d in order else len(order), d))
+    groups = sorted({(s["dtype"], s["temperature"], s.get("accept", "greedy")) for s in cells})
     fig, axes = plt.subplots(len(groups), len(drafts), squeeze=False, layout="constrained",
                              figsize=(0.6 + size[0] * len(drafts), size[1] * len(groups)))
     out = []
-    for i, (dtype, temp) in enumerate(groups):
+    for i, (dtype, temp, rule) in enumerate(groups):
         for j, draft in enumerate(drafts):
-            mine = [s for s in cells if (s["dtype"], s["temperature"], s["draft"]) == (dtype, temp, draft)]
-            out.append((axes[i][j], f"{draft}, {dtype}, T={temp:g}", mine))
+            mine = [s for s in cells if (s["dtype"], s["temperature"], s.get("accept", "greedy"), s["draft"])
+                    == (dtype, temp, rule, draft)]
+            out.append((axes[i][j], f"{draft}, {dtype}, T={temp:g}" + (f" {rule}" if temp else ""), mine))
     return fig, out
 
 
@@ -113,7 +113,8 @@ def tokens_per_step(summary: list[dict], title: str, path: Path) -> str:
 def time_split(summary: list[dict], title: str, path: Path) -> str:
     """Stacked ms per step per cell from `Stats.phase_s` (draft incl. packing / verify incl. acceptance / rest
     of the loop), with AR's ms per token as a reference line."""
-    ncells = max(Counter((s["dtype"], s["temperature"], s["draft"]) for s in summary if is_cell(s)).values())
+    ncells = max(Counter((s["dtype"], s["temperature"], s.get("accept"), s["draft"]) for s in summary
+                         if is_cell(s)).values())
     fig, panels = _panels(summary, (max(4.0, 0.45 * ncells + 2.0), 4.0))
     for ax, name, cells in panels:
         cells = sorted(cells, key=lambda s: (width_of(s), s["beam_length"]))

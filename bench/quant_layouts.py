@@ -92,8 +92,8 @@ def layouts() -> list[tuple[str, int | None, int | None, str]]:
 def run(repeats: int = 3, slow_repeats: int = 1, out_dir: Path = OUT,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every layout; write quant-layouts.json and quant-layouts.md under `out_dir`."""
-    from mlx_redrafter.loader import load_target
-    from mlx_redrafter.machine_state import MachineWatch
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.system.machine_state import MachineWatch
 
     from .dtype_agreement import machine_brief
 

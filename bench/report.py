@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from mlx_redrafter.files import write_atomic
+from mlx_redrafter.sweep import cell_width
 
 COLUMNS = [
     "device", "model", "drafter", "dtype", "config", "decoder", "draft", "beam_width", "beam_length", "lookup_width",
-    "lookup", "temperature", "prompt_id", "category", "prompt_tokens", "generated_tokens", "steps",
+    "lookup", "temperature", "accept", "prompt_id", "category", "prompt_tokens", "generated_tokens", "steps",
     "tokens_per_step", "rnn_tokens_per_step", "lookup_tokens_per_step", "verified_tokens", "candidate_tokens",
     "prefill_s", "decode_s", "decode_s_min", "decode_s_max", "decode_s_runs", "repeats", "decode_tokens_per_s",
     "ar_decode_tokens_per_s", "mlx_lm_decode_tokens_per_s", "speedup_vs_ar", "speedup_vs_mlx_lm", "equal_ar",
@@ -94,14 +95,17 @@ def readme(meta: dict[str, Any]) -> str:
              f"{m['os_pretty']}, MLX {m['mlx']} ({m['backend']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}, "
              f"Python {m['python']}.", "",
              "Best cell per draft mode (speedup = mean over prompts of decode tok/s over our AR's on the same prompt; "
-             "prefill excluded; width = W for rnn modes, lookup width for lookup):", "",
-             "| draft | dtype | T | width | L | tokens/step | decode tok/s | our AR tok/s | mlx-lm tok/s | vs AR "
-             "| vs mlx-lm | ids = AR |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], -b["speedup_vs_ar"])):
-        width = b["beam_width"] if "rnn" in b["draft"] else b["lookup_width"]
+             "prefill excluded; width = W for rnn modes and semi_ar, lookup width for lookup, tree nodes for "
+             "medusa):", "",
+             "| draft | dtype | T | accept | width | L | tokens/step | decode tok/s | our AR tok/s | mlx-lm tok/s "
+             "| vs AR | vs mlx-lm | ids = AR |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], b.get("accept", ""),
+                                                 -b["speedup_vs_ar"])):
+        width = cell_width(b)
         lines.append(
-            f"| {b['draft']} | {b['dtype']} | {b['temperature']:g} | {width} | {b['beam_length']} | "
+            f"| {b['draft']} | {b['dtype']} | {b['temperature']:g} | {b.get('accept', 'greedy')} | {width} "
+            f"| {b['beam_length']} | "
             f"{b['tokens_per_step']:.2f} | {b['decode_tokens_per_s']:.1f} | {b['ar_decode_tokens_per_s']:.1f} | "
             f"{_f(b.get('mlx_lm_decode_tokens_per_s'), '.1f')} | {b['speedup_vs_ar']:.2f}x | "
             f"{_f(b.get('speedup_vs_mlx_lm'), '.2f')}x | {100 * b['equal_ar']:.0f}% |")

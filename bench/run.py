@@ -25,6 +25,7 @@ class BenchSpec:
     drafts: str | None = None  # comma list; None: rnn, lookup, rnn+lookup with a drafter, else lookup
     dtypes: list[str] = field(default_factory=lambda: ["auto"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
+    accepts: list[str] = field(default_factory=lambda: ["exact"])  # acceptance rules measured at T > 0
     widths: list[int] = field(default_factory=lambda: list(BENCH_GRID["widths"]))
     lengths: list[int] = field(default_factory=lambda: list(BENCH_GRID["lengths"]))
     max_tokens: int = BENCH_GRID["max_tokens"]
@@ -47,15 +48,20 @@ class BenchSpec:
             raise UserError(f"--max-tokens must be >= 2 (got {self.max_tokens})")
         if self.repeats < 1:
             raise UserError(f"--repeats must be >= 1 (got {self.repeats})")
+        bad = [a for a in self.accepts if a not in ("exact", "typical")]
+        if bad or not self.accepts:
+            raise UserError(f"--accepts takes exact and/or typical (got {','.join(self.accepts) or 'nothing'})")
         if not self.dtypes:
             raise UserError("--dtypes is empty")
 
 
-def samplings(temperatures: list[float]) -> list[Any]:
-    """Sampling settings per temperature (seeded, so repeats decide the same tokens)."""
+def samplings(temperatures: list[float], accepts: tuple[str, ...] | list[str] = ("exact",)) -> list[Any]:
+    """Sampling settings per temperature and, at T > 0, per acceptance rule (seeded, so repeats decide the same
+    tokens)."""
     from mlx_redrafter.sampling import Sampling
 
-    return [Sampling(temperature=t, seed=0 if t > 0 else None) for t in temperatures]
+    return [Sampling(temperature=t, seed=0 if t > 0 else None, accept=a)
+            for t in temperatures for a in (accepts if t > 0 else ["exact"])]
 
 
 def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
@@ -64,8 +70,10 @@ def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
 
     drafts = sweep.parse_drafts(spec.drafts, runner.drafter is not None)
     configs = []
-    for s in samplings(spec.temperatures):
-        configs += sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s)
+    for s in samplings(spec.temperatures, spec.accepts):
+        names = {c.name for c in configs}  # AR at T runs once, whatever the rules compared at T
+        configs += [c for c in sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s)
+                    if c.name not in names]
     if spec.mlx_lm:
         from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs
 
@@ -106,8 +114,8 @@ def profile_cell(spec: BenchSpec, cell: dict[str, Any], options: Any, prompt: di
 def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = True) -> dict[str, Any]:
     """Run the sweep and write everything under out_root/<device>/; returns the JSON record (with `dir`)."""
     from mlx_redrafter import api, sweep
-    from mlx_redrafter.machine import machine_info
     from mlx_redrafter.prompts import first_turns, packaged
+    from mlx_redrafter.system.machine import machine_info
 
     from . import plots, report
 

@@ -6,7 +6,7 @@ PATH is a `model.safetensors`, a torch state dict (`pytorch_model.bin` / `model.
 `torch.load(weights_only=True)`, so no pickled code ever runs), or a directory holding one of them and
 usually `config.json`. Key spellings seen in the wild are accepted (`input_projs`, `lm_heads.{i}`, `0.{i}`,
 ResBlocks with or without the `.linear` level). A missing config is inferred from the tensor shapes.
-The output is a drafter directory (config.json + model.safetensors) for `mlx_redrafter.drafter.load_drafter`,
+The output is a drafter directory (config.json + model.safetensors) for `mlx_redrafter.draft.redrafter.load_drafter`,
 written atomically. `--quantize` stores every linear quantized (mlx-lm style, see `quantize_drafter`).
 Medusa heads in the FasterDecoding/Medusa layout (`medusa_lm_head.safetensors` / `.pt`, config.json with
 `medusa_num_heads`) are detected and converted to an MLX Medusa drafter instead (convert/medusa.py).
@@ -30,7 +30,7 @@ import mlx.core as mx
 import typer
 
 from mlx_redrafter.cmd.common import one_line_errors, run_app
-from mlx_redrafter.drafter import (
+from mlx_redrafter.draft.redrafter import (
     MODEL_TYPE,
     Drafter,
     DrafterArgs,
@@ -40,7 +40,7 @@ from mlx_redrafter.drafter import (
     save_drafter,
 )
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.loader import DTYPES, load_target
+from mlx_redrafter.models.loader import DTYPES, load_target
 
 WEIGHT_NAMES = ("model.safetensors", "drafter.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 # config.json keys of a Hugging Face PretrainedConfig that describe the source file, not the drafter.
@@ -310,7 +310,7 @@ def check_tensors(args: DrafterArgs, tensors: dict[str, mx.array], file: Path, r
 
 
 def check_dtype(dtype: str) -> None:
-    """One-line error unless `dtype` is auto or a name in `mlx_redrafter.loader.DTYPES`."""
+    """One-line error unless `dtype` is auto or a name in `mlx_redrafter.models.loader.DTYPES`."""
     if dtype != "auto" and dtype not in DTYPES:
         raise UserError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
 

@@ -1,4 +1,4 @@
-"""Import Medusa-1 heads in the FasterDecoding/Medusa layout as an MLX Medusa drafter (`mlx_redrafter.medusa`).
+"""Import Medusa-1 heads in the FasterDecoding/Medusa layout as an MLX Medusa drafter (`mlx_redrafter.draft.medusa`).
 
 Layout: `medusa_lm_head.safetensors` or a weights-only `medusa_lm_head.pt` (the state dict of the repository's
 `medusa_head` ModuleList) with `config.json` {"medusa_num_heads", "medusa_num_layers", ...} beside it. Keys:
@@ -19,10 +19,10 @@ from typing import Any
 import mlx.core as mx
 
 from convert.from_torch import _pick_dtype, check_out_dir, default_out, find_checkpoint, read_tensors
-from mlx_redrafter.drafter import check_compatible, save_drafter
+from mlx_redrafter.draft.medusa import MedusaArgs, MedusaHeads
+from mlx_redrafter.draft.redrafter import check_compatible, save_drafter
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.loader import load_target
-from mlx_redrafter.medusa import MedusaArgs, MedusaHeads
+from mlx_redrafter.models.loader import load_target
 
 WEIGHT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")

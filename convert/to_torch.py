@@ -32,9 +32,9 @@ import mlx.core as mx
 import typer
 
 from mlx_redrafter.cmd.common import one_line_errors, run_app
-from mlx_redrafter.drafter import Drafter, DrafterArgs, dequantize_drafter, load_drafter, save_drafter
+from mlx_redrafter.draft.redrafter import Drafter, DrafterArgs, dequantize_drafter, load_drafter, save_drafter
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.loader import DTYPES
+from mlx_redrafter.models.loader import DTYPES
 
 
 def full_vocab_drafter(d: Drafter, approximate: bool, where: str) -> Drafter:

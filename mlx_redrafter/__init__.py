@@ -1,6 +1,6 @@
 """redrafter-mlx: exact ReDrafter speculative decoding in pure MLX."""
 
-from .blas import load_optimized_blas
+from mlx_redrafter.system.blas import load_optimized_blas
 
 load_optimized_blas()  # must run before mlx.core is imported anywhere
 

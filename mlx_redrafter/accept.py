@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .sampling import Sampling, sample
-from .tree import PackedTree
+from mlx_redrafter.sampling import Sampling, sample
+from mlx_redrafter.tree import PackedTree
 
 
 @dataclass
@@ -104,7 +104,7 @@ def accept_typical(cands: mx.array, tree: PackedTree, node_p: mx.array, s: Sampl
 
 def accept(cands: mx.array, tree: PackedTree, logits: mx.array, s: Sampling, key: mx.array | None) -> Accepted:
     """Dispatch on the sampling settings (greedy / exact / typical)."""
-    from .sampling import probs
+    from mlx_redrafter.sampling import probs
 
     if s.greedy:
         return accept_greedy(cands, tree, logits)

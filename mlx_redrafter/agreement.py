@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .loader import Target, apply_template, build_model, pick_dtype, read_checkpoint, resolve_model
-from .model import Model
+from mlx_redrafter.model import Model
+from mlx_redrafter.models.loader import Target, apply_template, build_model, pick_dtype, read_checkpoint, resolve_model
 
 FP32_TIE = 1e-4  # DESIGN §4: absolute top-2 gap below which a float32 divergence is a numerical tie
 EPSILON = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}  # unit roundoff (half machine epsilon)

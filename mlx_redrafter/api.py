@@ -15,21 +15,21 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .cache import KVCache
-from .defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
-from .drafter import Drafter, check_compatible, dequantize_drafter, random_drafter
-from .errors import UserError
-from .generate import Stats, generate_ar, generate_speculative
-from .kinds import NAMES as KIND_NAMES
-from .kinds import AnyDrafter, draft_kind, load_any_drafter
-from .loader import DEFAULT_MODEL, Target, load_target
-from .lookup import NgramIndex, SuffixIndex
-from .medusa import MedusaSource
-from .medusa_trees import DEFAULT_TREE, parse_tree
-from .sampling import GREEDY, Sampling
-from .semi_ar import SemiARSource
-from .sources import Allocator, LookupSource, RnnSource, Slot
-from .tokenizer import StreamingDetokenizer
+from mlx_redrafter.cache import KVCache
+from mlx_redrafter.defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
+from mlx_redrafter.draft.kinds import NAMES as KIND_NAMES
+from mlx_redrafter.draft.kinds import AnyDrafter, draft_kind, load_any_drafter
+from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.draft.medusa import MedusaSource
+from mlx_redrafter.draft.medusa_trees import DEFAULT_TREE, parse_tree
+from mlx_redrafter.draft.redrafter import Drafter, check_compatible, dequantize_drafter, random_drafter
+from mlx_redrafter.draft.semi_ar import SemiARSource
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
+from mlx_redrafter.models.loader import DEFAULT_MODEL, Target, load_target
+from mlx_redrafter.models.tokenizer import StreamingDetokenizer
+from mlx_redrafter.sampling import GREEDY, Sampling
+from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
 DRAFT_MODES = ("auto", "rnn", "lookup", "rnn+lookup", "none")
@@ -94,7 +94,7 @@ class Result:
 
 def shipped_drafter_path(model_name: str) -> Path | None:
     """The drafter shipped in the package for a model (its registry entry's drafter, else its own name)."""
-    from .registry import get
+    from mlx_redrafter.models.registry import get
 
     entry = get(model_name)
     p = SHIPPED_DRAFTERS / (entry.drafter if entry is not None and entry.drafter else model_name)

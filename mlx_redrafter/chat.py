@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from . import api
-from .errors import UserError
-from .generate import Stats
+from mlx_redrafter import api
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.generate import Stats
 
 MIN_ANSWER_ROOM = 16  # tokens an answer may at least use before older turns are dropped
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .accept import truncate_at_eos
-from .cache import KVCache
-from .model import Model
-from .sampling import GREEDY, Rng, Sampling
-from .sources import Allocator, DecodeState
-from .step import ar_step, prefill, speculative_step
+from mlx_redrafter.accept import truncate_at_eos
+from mlx_redrafter.cache import KVCache
+from mlx_redrafter.model import Model
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling
+from mlx_redrafter.sources import Allocator, DecodeState
+from mlx_redrafter.step import ar_step, prefill, speculative_step
 
 
 @dataclass

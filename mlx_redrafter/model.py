@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import KVCache
+from mlx_redrafter.cache import KVCache
 
 
 @dataclass

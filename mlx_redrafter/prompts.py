@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 
 def read_prompts(path: str | Path) -> list[dict]:

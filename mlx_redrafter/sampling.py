@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 
 @dataclass(frozen=True)

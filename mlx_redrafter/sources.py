@@ -18,7 +18,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from .beam_search import beam_search, greedy_draft
+from mlx_redrafter.draft.beam_search import beam_search, greedy_draft
 
 
 @dataclass
@@ -86,7 +86,7 @@ class LookupSource:
         cands = self.index.candidates(length - 1, width)
         if not cands:
             return None
-        from .tree import PAD
+        from mlx_redrafter.tree import PAD
 
         rows = [[state.tokens[-1], *c] + [PAD] * (length - 1 - len(c)) for c in cands]
         return mx.array(rows, dtype=mx.int32)

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .accept import accept
-from .cache import KVCache
-from .model import Model
-from .sampling import GREEDY, Rng, Sampling, next_token
-from .sources import DecodeState, Slot
-from .tree import PAD, pack, verify_mask
+from mlx_redrafter.accept import accept
+from mlx_redrafter.cache import KVCache
+from mlx_redrafter.model import Model
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
+from mlx_redrafter.sources import DecodeState, Slot
+from mlx_redrafter.tree import PAD, pack, verify_mask
 
 PHASES = ("draft", "pack", "verify", "accept", "commit")
 

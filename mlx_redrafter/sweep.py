@@ -18,19 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .api import DRAFT_MODES, HEAD_MODES, DecodeOptions, Runner, encode_prompt, settings
-from .api import decode as api_decode
-from .defaults import (
+from mlx_redrafter.api import DRAFT_MODES, HEAD_MODES, DecodeOptions, Runner, encode_prompt, settings
+from mlx_redrafter.api import decode as api_decode
+from mlx_redrafter.defaults import (
     DEFAULT_LOOKUP_WIDTH,
     SWEEP_DRAFTS,
     TUNE_MIN_SPEEDUP,
     TUNE_MIN_TOKENS_PER_STEP,
     WARMUP_TOKENS,
 )
-from .errors import UserError
-from .generate import Stats
-from .machine_state import MachineWatch, loadavg
-from .sampling import GREEDY, Sampling
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.generate import Stats
+from mlx_redrafter.sampling import GREEDY, Sampling
+from mlx_redrafter.system.machine_state import MachineWatch, loadavg
 
 # A decoder other than ours (e.g. mlx-lm's): prompt ids and options in, (new token ids, filled Stats) out.
 Decoder = Callable[[list[int], DecodeOptions], tuple[list[int], Stats]]
@@ -52,9 +52,13 @@ class Config:
 
 
 def config_name(draft: str, width: int = 0, length: int = 0, sampling: Sampling = GREEDY) -> str:
-    """Stable name of a configuration, e.g. 'ar', 'rnn-w2-l3', 'lookup-w1-l4@t0.7'."""
+    """Stable name of a configuration, e.g. 'ar', 'rnn-w2-l3', 'lookup-w1-l4@t0.7', 'rnn-w1-l3@t0.7-typical'
+    (AR samples the same way whatever the acceptance rule, so its name has no rule)."""
     name = "ar" if draft == "none" else f"{draft}-w{width}-l{length}"
-    return name if sampling.greedy else f"{name}@t{sampling.temperature:g}"
+    if sampling.greedy:
+        return name
+    rule = "-typical" if sampling.accept == "typical" and draft != "none" else ""
+    return f"{name}@t{sampling.temperature:g}{rule}"
 
 
 def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_tokens: int,
@@ -180,7 +184,10 @@ def _ar_names(configs: list[Config]) -> dict[str, str]:
     ars = [c for c in configs if c.is_ar]
     if not ars:
         raise UserError("a sweep needs an autoregressive configuration (draft 'none') as its reference")
-    return {c.name: next((a.name for a in ars if a.options.sampling == c.options.sampling), ars[0].name)
+    def same(a: Sampling, b: Sampling) -> bool:  # the acceptance rule does not change AR sampling
+        return replace(a, accept="exact") == replace(b, accept="exact")
+
+    return {c.name: next((a.name for a in ars if same(a.options.sampling, c.options.sampling)), ars[0].name)
             for c in configs}
 
 
@@ -248,6 +255,8 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
     sources = sorted({k for r in rs for k in r["source_tokens_per_step"]})
     rec = {k: rs[0][k] for k in ("config", "decoder", "model", "dtype", "draft", "drafter", "beam_width",
                                  "beam_length", "lookup_width", "lookup", "temperature")}
+    rec["medusa_tree"] = rs[0].get("medusa_tree", "")
+    rec["accept"] = rs[0].get("accept", "greedy")  # greedy, exact or typical
     rec.update({
         "prompts": len(rs), "tokens_per_step": _mean([r["tokens_per_step"] for r in rs]),
         "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in rs]),
@@ -275,10 +284,19 @@ def is_cell(s: dict[str, Any]) -> bool:
     return s["decoder"] == "ours" and s["draft"] != "none"
 
 
+def cell_width(s: dict[str, Any]) -> int:
+    """A cell's width as the grid names it: W for rnn, rnn+lookup and semi_ar, the lookup width for lookup, the
+    number of tree nodes for medusa."""
+    if s["draft"] == "medusa":
+        tree = str(s.get("medusa_tree", ""))
+        return int(tree.rsplit(":", 1)[1]) if ":" in tree else 0
+    return s["beam_width"] if "rnn" in s["draft"] or s["draft"] == "semi_ar" else s["lookup_width"]
+
+
 def best_cells(summary: list[dict[str, Any]], key: Callable[[dict], tuple] | None = None) -> dict[tuple, dict]:
     """The speculative configuration with the highest mean speedup over AR per group (default: per draft mode,
-    dtype and temperature)."""
-    key = key or (lambda s: (s["draft"], s["dtype"], s["temperature"]))
+    dtype, temperature and acceptance rule)."""
+    key = key or (lambda s: (s["draft"], s["dtype"], s["temperature"], s["accept"]))
     best: dict[tuple, dict] = {}
     for s in summary:
         if is_cell(s):

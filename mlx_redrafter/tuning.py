@@ -16,9 +16,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .api import DecodeOptions, parse_drafter_spec, shipped_drafter_path
-from .errors import UserError
-from .files import write_atomic
+from mlx_redrafter.api import DecodeOptions, parse_drafter_spec, shipped_drafter_path
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import write_atomic
 
 FORMAT_VERSION = 2
 
@@ -55,7 +55,7 @@ def _signature(path: Path) -> str:
 
 def model_key(model: str | None) -> str:
     """Stable name of a target model spec: the default's name, or the resolved local path."""
-    from .loader import DEFAULT_MODEL, resolve_model
+    from mlx_redrafter.models.loader import DEFAULT_MODEL, resolve_model
 
     name, path = resolve_model(model)
     return name if name == DEFAULT_MODEL else str(Path(path).resolve())
@@ -63,7 +63,7 @@ def model_key(model: str | None) -> str:
 
 def drafter_key(drafter: str | None, model: str | None) -> str:
     """Stable name of a drafter spec ('default' resolves to the shipped one, with a content hash)."""
-    from .loader import resolve_model
+    from mlx_redrafter.models.loader import resolve_model
 
     d = parse_drafter_spec(drafter)
     if d.kind == "default":
@@ -98,14 +98,14 @@ def read_all(path: Path | None = None) -> dict[str, Any]:
 
 def lookup(model: str | None, drafter: str | None) -> dict[str, Any] | None:
     """The tuned entry for this machine + model + drafter spec, or None."""
-    from .machine import fingerprint
+    from mlx_redrafter.system.machine import fingerprint
 
     return read_all().get(entry_key(fingerprint(), model_key(model), drafter_key(drafter, model)))
 
 
 def store(model: str | None, drafter: str | None, entry: dict[str, Any]) -> Path:
     """Write (atomically) the entry for this machine + model + drafter spec; returns the file path."""
-    from .machine import fingerprint, machine_info
+    from mlx_redrafter.system.machine import fingerprint, machine_info
 
     dkey = drafter_key(drafter, model)
     path = tuned_file()

@@ -7,7 +7,7 @@ import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
 
 @pytest.fixture(scope="session")
 def target():
-    from mlx_redrafter.loader import load_target
+    from mlx_redrafter.models.loader import load_target
 
     return load_target(None, "float32")
 

@@ -56,8 +56,23 @@ def test_tiny_sweep_writes_everything(tmp_path):
         assert (out / res["files"][key]).read_bytes()[:4] == b"\x89PNG"
     readme = (out / "README.md").read_text()
     assert readme.splitlines()[2].startswith("Machine state (float32 sweep")
-    assert "| rnn | float32 | 0 | 1 | 2 |" in readme and "Step profile" in readme
+    assert "| rnn | float32 | 0 | greedy | 1 | 2 |" in readme and "Step profile" in readme
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+
+def test_temperature_axis_compares_acceptance_rules(target):
+    """At T > 0 every cell runs once per acceptance rule, against one AR at that temperature."""
+    from bench.run import configs_for
+    from mlx_redrafter.api import Runner
+    from mlx_redrafter.sweep import _ar_names
+
+    spec = BenchSpec(device="unit-test", drafts="lookup", temperatures=[0.0, 0.7], accepts=["exact", "typical"],
+                     widths=[1], lengths=[3], mlx_lm=False)
+    configs = configs_for(spec, Runner(target, None, "none"))
+    assert [c.name for c in configs] == ["ar", "lookup-w1-l3", "ar@t0.7", "lookup-w1-l3@t0.7",
+                                         "lookup-w1-l3@t0.7-typical"]
+    assert [c.options.sampling.accept for c in configs] == ["exact"] * 4 + ["typical"]
+    assert _ar_names(configs)["lookup-w1-l3@t0.7-typical"] == "ar@t0.7"
 
 
 def test_bad_input_is_one_line_error(tmp_path):

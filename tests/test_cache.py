@@ -3,7 +3,7 @@
 import mlx.core as mx
 
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.drafter import random_drafter
+from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
 from mlx_redrafter.sources import Allocator, RnnSource, Slot
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mlx_redrafter.drafter import random_drafter, save_drafter
+from mlx_redrafter.draft.redrafter import random_drafter, save_drafter
 
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -48,7 +48,7 @@ def test_bad_arguments(args, needles):
 
 
 def test_corrupt_and_empty_model_files(tmp_path):
-    from mlx_redrafter.loader import default_model_path
+    from mlx_redrafter.models.loader import default_model_path
 
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(default_model_path().read_bytes()[:1_000_000])

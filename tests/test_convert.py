@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 from bench.torch_ref.drafter import beam_search as torch_beam_search  # noqa: E402
 from bench.torch_ref.drafter import random_torch_drafter  # noqa: E402
 from convert import from_torch, to_torch  # noqa: E402
-from mlx_redrafter.beam_search import beam_search  # noqa: E402
 from mlx_redrafter.cache import KVCache  # noqa: E402
-from mlx_redrafter.drafter import (  # noqa: E402
+from mlx_redrafter.draft.beam_search import beam_search  # noqa: E402
+from mlx_redrafter.draft.redrafter import (  # noqa: E402
     Drafter,
     DrafterArgs,
     load_drafter,

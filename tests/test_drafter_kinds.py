@@ -12,14 +12,14 @@ from typer.testing import CliRunner
 
 from mlx_redrafter import api
 from mlx_redrafter.cmd.main import app
-from mlx_redrafter.drafter import save_drafter
+from mlx_redrafter.draft.kinds import draft_kind, load_any_drafter
+from mlx_redrafter.draft.medusa import MedusaArgs, MedusaHeads, MedusaSource, random_medusa
+from mlx_redrafter.draft.medusa_trees import CPU_TREE, MC_SIM_7B_63, check_tree, parse_tree
+from mlx_redrafter.draft.redrafter import save_drafter
+from mlx_redrafter.draft.semi_ar import SemiARSource, random_semi_ar
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Stats
-from mlx_redrafter.kinds import draft_kind, load_any_drafter
-from mlx_redrafter.medusa import MedusaArgs, MedusaHeads, MedusaSource, random_medusa
-from mlx_redrafter.medusa_trees import CPU_TREE, MC_SIM_7B_63, check_tree, parse_tree
 from mlx_redrafter.sampling import Sampling
-from mlx_redrafter.semi_ar import SemiARSource, random_semi_ar
 from mlx_redrafter.sources import Allocator, DecodeState, Slot
 from mlx_redrafter.tree import pack
 

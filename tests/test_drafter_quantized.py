@@ -12,8 +12,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_redrafter.beam_search import beam_search
-from mlx_redrafter.drafter import (
+from mlx_redrafter.draft.beam_search import beam_search
+from mlx_redrafter.draft.redrafter import (
     dequantize_drafter,
     load_drafter,
     quantize_drafter,

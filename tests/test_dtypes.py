@@ -20,7 +20,7 @@ import pytest
 
 from mlx_redrafter import api
 from mlx_redrafter.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, load_first_layers, tie_bound
-from mlx_redrafter.drafter import random_drafter
+from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats
 
 LAYERS = {"float16": 4, "bfloat16": 4, "quantized": 1}
@@ -126,7 +126,7 @@ def test_quantized_matches_mlx_lm(setups):
 def test_quantized_drafter_is_dequantized_for_a_float32_cpu_target(tmp_path, caplog):
     """A quantized drafter given to a float32 target on a CPU backend runs dequantized (quantized matmuls skip
     BLAS there), with one stderr notice; the weights are exactly the dequantized ones."""
-    from mlx_redrafter.drafter import load_drafter, quantize_drafter, save_drafter
+    from mlx_redrafter.draft.redrafter import load_drafter, quantize_drafter, save_drafter
 
     target = load_first_layers(None, 1, "float32")
     path = save_drafter(quantize_drafter(load_drafter(api.shipped_drafter_path(target.name)), 4, 64), tmp_path / "q4")

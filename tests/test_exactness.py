@@ -8,9 +8,9 @@ Acceptance must not matter for correctness, so random drafters are used; the shi
 import pytest
 from exactness import ar_tokens, divergence, speculative_tokens
 
-from mlx_redrafter.drafter import random_drafter
+from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats
-from mlx_redrafter.lookup import NgramIndex, SuffixIndex
 from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 
 N_PROMPTS, MAX_TOKENS = 3, 32

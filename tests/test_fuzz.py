@@ -12,8 +12,8 @@ import time
 import pytest
 from exactness import ar_tokens, divergence, speculative_tokens
 
-from mlx_redrafter.drafter import random_drafter
-from mlx_redrafter.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 
 pytestmark = pytest.mark.fuzz

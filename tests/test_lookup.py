@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from mlx_redrafter.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
 
 
 def brute_longest_earlier_match(toks):

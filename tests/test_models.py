@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_redrafter import hub, registry
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.loader import ALIASES, resolve_model
+from mlx_redrafter.models import hub, registry
+from mlx_redrafter.models.loader import ALIASES, resolve_model
 
 CLI = str(Path(sys.executable).parent / "redrafter-mlx")
 REQUIRED = ("smollm2-135m", "vicuna-7b", "vicuna-7b-4bit", "vicuna-13b-4bit", "llama-3.2-1b-4bit",

@@ -8,9 +8,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_redrafter import quantize as q
 from mlx_redrafter.generate import generate_ar
-from mlx_redrafter.loader import load_target
+from mlx_redrafter.models import quantize as q
+from mlx_redrafter.models.loader import load_target
 
 CLI = str(Path(sys.executable).parent / "redrafter-mlx")
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]

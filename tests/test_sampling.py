@@ -12,8 +12,8 @@ import pytest
 
 from mlx_redrafter import api
 from mlx_redrafter.accept import Accepted, _child_probs, _walk
+from mlx_redrafter.draft.lookup import NgramIndex
 from mlx_redrafter.generate import Stats, generate_speculative
-from mlx_redrafter.lookup import NgramIndex
 from mlx_redrafter.sampling import Sampling, probs, sample
 from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 

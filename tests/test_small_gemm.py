@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_redrafter.blas import small_gemm_calls, small_gemm_disabled
+from mlx_redrafter.system.blas import small_gemm_calls, small_gemm_disabled
 
 
 def have_path() -> bool:

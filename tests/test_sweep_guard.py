@@ -1,4 +1,4 @@
-"""The machine-state guard (mlx_redrafter.machine_state) in a real sweep: a busy machine is flagged, and tune
+"""The machine-state guard (mlx_redrafter.system.machine_state) in a real sweep: a busy machine is flagged, and tune
 refuses to store its result."""
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import sentencepiece as spm
 from mlx.utils import tree_flatten
 
 from mlx_redrafter.model import Model, ModelArgs
-from mlx_redrafter.templates import VICUNA_SYSTEM
-from mlx_redrafter.tokenizer import StreamingDetokenizer, TextTokenizer
+from mlx_redrafter.models.templates import VICUNA_SYSTEM
+from mlx_redrafter.models.tokenizer import StreamingDetokenizer, TextTokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -109,7 +109,7 @@ def test_gguf_llama_tokenizer_matches_tokenizer_model(tmp_path, sp_model, sp_tok
 
 
 def test_vicuna_template(sp_tok):
-    from mlx_redrafter.templates import VICUNA
+    from mlx_redrafter.models.templates import VICUNA
 
     sp_tok.set_template(VICUNA, "built-in vicuna")
     msgs = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi."},

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlx_redrafter.cmd.main import app
-from mlx_redrafter.drafter import load_drafter, random_drafter, save_drafter
+from mlx_redrafter.draft.redrafter import load_drafter, random_drafter, save_drafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.train.corpus import Corpus, Settings, build, generate_greedy, load_shard
 from mlx_redrafter.train.features import feature_path, teacher_forced

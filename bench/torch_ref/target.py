@@ -15,7 +15,7 @@ def load_hf_target(spec: str | None = None, device: str = "cpu", dtype: torch.dt
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from mlx_redrafter.loader import resolve_model
+    from mlx_redrafter.models.loader import resolve_model
 
     transformers.logging.set_verbosity_error()
     _, path = resolve_model(spec)

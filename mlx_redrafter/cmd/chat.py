@@ -8,7 +8,7 @@ from types import FrameType
 
 import typer
 
-from . import common as c
+from mlx_redrafter.cmd import common as c
 
 HELP = """commands:
   /stats   speed, tokens per target call, acceptance by draft source, prefill tokens of the last turn
@@ -52,7 +52,7 @@ def _read(prompt: str) -> str | None:
 
 def _answer(session, line: str) -> None:
     """Stream one answer to stdout; a short summary line goes to stderr."""
-    from ..errors import UserError
+    from mlx_redrafter.errors import UserError
 
     before = session.last
     with AnswerInterrupt() as intr:
@@ -102,10 +102,10 @@ def chat(
                                            "turns are dropped beyond it (default: the model's context)."),
 ) -> None:
     """Interactive chat with streaming output and KV-cache reuse across turns. /help lists the commands."""
-    from .. import api, tuning
-    from ..chat import ChatSession, drafting_fallback
-    from ..sampling import Sampling
-    from ..templates import load_template_option
+    from mlx_redrafter import api, tuning
+    from mlx_redrafter.chat import ChatSession, drafting_fallback
+    from mlx_redrafter.models.templates import load_template_option
+    from mlx_redrafter.sampling import Sampling
 
     if max_tokens < 1:
         c.fail(f"--max-tokens must be >= 1 (got {max_tokens})")

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from ..errors import UserError
+from mlx_redrafter.errors import UserError
 
 MODEL_HELP = ("Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded "
               "SmolLM2-135M).")

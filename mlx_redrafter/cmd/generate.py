@@ -9,8 +9,8 @@ from pathlib import Path
 
 import typer
 
-from ..errors import UserError
-from . import common as c
+from mlx_redrafter.cmd import common as c
+from mlx_redrafter.errors import UserError
 
 
 @c.one_line_errors
@@ -35,10 +35,10 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
 ) -> None:
     """Generate a completion, with speculative decoding unless --no-draft."""
-    from .. import api, tuning
-    from ..generate import Stats
-    from ..prompts import read_prompts
-    from ..sampling import Sampling
+    from mlx_redrafter import api, tuning
+    from mlx_redrafter.generate import Stats
+    from mlx_redrafter.prompts import read_prompts
+    from mlx_redrafter.sampling import Sampling
 
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
@@ -52,7 +52,7 @@ def generate(
     need_drafter = res.options.draft in ("auto", "rnn", "rnn+lookup", "medusa", "semi_ar")
     runner = api.load(model, drafter if need_drafter else "none", res.dtype)
     if res.options.draft == "auto":
-        from ..chat import drafting_fallback
+        from mlx_redrafter.chat import drafting_fallback
 
         note = drafting_fallback(runner, res.options)[1]
         if note:

@@ -6,13 +6,13 @@ import sys
 
 import typer
 
-from ..errors import UserError
-from .chat import chat
-from .common import run_app
-from .generate import generate
-from .quantize import quantize
-from .train import distill, eval_drafter, train
-from .tune import tune
+from mlx_redrafter.cmd.chat import chat
+from mlx_redrafter.cmd.common import run_app
+from mlx_redrafter.cmd.generate import generate
+from mlx_redrafter.cmd.quantize import quantize
+from mlx_redrafter.cmd.train import distill, eval_drafter, train
+from mlx_redrafter.cmd.tune import tune
+from mlx_redrafter.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact speculative decoding (ReDrafter + lookup drafting) in pure MLX.")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from . import common as c
+from mlx_redrafter.cmd import common as c
 
 
 @c.one_line_errors
@@ -22,7 +22,7 @@ def quantize(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Quantize a model like `mlx_lm.convert -q`; the result loads in mlx-lm and in redrafter-mlx."""
-    from ..quantize import quantize as run
+    from mlx_redrafter.models.quantize import quantize as run
 
     summary = run(src, dst, bits, group_size, dtype, overwrite)
     if as_json:

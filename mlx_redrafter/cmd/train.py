@@ -7,10 +7,10 @@ from pathlib import Path
 
 import typer
 
-from ..errors import UserError
-from ..train.evaluate import format_eval
-from ..train.loop import TrainConfig
-from . import common as c
+from mlx_redrafter.cmd import common as c
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.train.evaluate import format_eval
+from mlx_redrafter.train.loop import TrainConfig
 
 DEFAULT_CORPUS = Path("data/corpus")
 DEFAULT_FEATURES = Path(".cache/features")
@@ -38,9 +38,9 @@ def distill(
     """
     import os
 
-    from ..blas import set_threads
-    from ..loader import load_target
-    from ..train.corpus import build
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.system.blas import set_threads
+    from mlx_redrafter.train.corpus import build
 
     try:
         i, n = (int(v) for v in worker.split("/"))
@@ -95,10 +95,10 @@ def train(
     """
     import time
 
-    from ..loader import load_target
-    from ..train.kinds import check_kind
-    from ..train.loop import train_drafter
-    from ..train.pipeline import model_card, prepare, save_shipped
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.train.kinds import check_kind
+    from mlx_redrafter.train.loop import train_drafter
+    from mlx_redrafter.train.pipeline import model_card, prepare, save_shipped
 
     check_kind(kind)
     run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")
@@ -116,7 +116,7 @@ def train(
     timings = {"features_s": round(t1 - t0), "train_s": round(time.perf_counter() - t1)}
     extra = ""
     if eval_prompts:
-        from ..train.evaluate import heldout_prompt_ids, run_eval
+        from mlx_redrafter.train.evaluate import heldout_prompt_ids, run_eval
 
         save_shipped(drafter, run_dir / "final", "", float16=float16)
         res = run_eval(str(run_dir / "final"), model, [1, 4], [3, 5],
@@ -126,7 +126,7 @@ def train(
         typer.echo(format_eval(res), err=True)
     out = output or (_shipped_dir(target.name) if kind == "redrafter" else run_dir / "drafter")
     summary.update(used=used, timings=timings)
-    from ..files import write_atomic
+    from mlx_redrafter.files import write_atomic
 
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1))
     save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
@@ -137,7 +137,7 @@ _DRAFT_OF_KIND = {"redrafter": "rnn", "medusa": "medusa", "semi_ar_transformer":
 
 
 def _shipped_dir(model_name: str) -> Path:
-    from ..api import SHIPPED_DRAFTERS
+    from mlx_redrafter.api import SHIPPED_DRAFTERS
 
     return SHIPPED_DRAFTERS / model_name
 
@@ -158,9 +158,9 @@ def eval_drafter(
 ) -> None:
     """Acceptance of a drafter on prompts it never saw: tokens per target call, per-position acceptance and the
     accepted-length histogram per W x L (greedy, fp32)."""
-    from ..loader import resolve_model
-    from ..prompts import first_turns
-    from ..train.evaluate import heldout_prompt_ids, run_eval
+    from mlx_redrafter.models.loader import resolve_model
+    from mlx_redrafter.prompts import first_turns
+    from mlx_redrafter.train.evaluate import heldout_prompt_ids, run_eval
 
     if heldout:
         ids = heldout_prompt_ids(corpus / resolve_model(model)[0], num_prompts)

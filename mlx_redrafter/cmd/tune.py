@@ -8,9 +8,9 @@ from typing import Any
 
 import typer
 
-from ..defaults import TUNE_GRID, TUNE_MIN_SPEEDUP, TUNE_MIN_TOKENS_PER_STEP
-from ..errors import UserError
-from . import common as c
+from mlx_redrafter.cmd import common as c
+from mlx_redrafter.defaults import TUNE_GRID, TUNE_MIN_SPEEDUP, TUNE_MIN_TOKENS_PER_STEP
+from mlx_redrafter.errors import UserError
 
 
 @c.one_line_errors
@@ -36,9 +36,9 @@ def tune(
     """Measure draft modes x widths x lengths against AR on a few prompts and store the winner for this machine,
     model and drafter; generate/chat then use it. A setting must beat AR by --min-speedup and decide at least
     1.1 tokens per target call, else plain AR is stored."""
-    from .. import api, sweep, tuning
-    from ..machine_state import machine_now
-    from ..prompts import first_turns
+    from mlx_redrafter import api, sweep, tuning
+    from mlx_redrafter.prompts import first_turns
+    from mlx_redrafter.system.machine_state import machine_now
 
     grid_w, grid_l = c.int_list(widths, "--widths"), c.int_list(lengths, "--lengths")
     dtype_list = [d.strip() for d in dtypes.split(",") if d.strip()]

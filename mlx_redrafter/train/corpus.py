@@ -31,10 +31,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import UserError
-from ..files import write_atomic
-from ..loader import Target
-from ..model import Model
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import write_atomic
+from mlx_redrafter.model import Model
+from mlx_redrafter.models.loader import Target
 
 FORMAT = "redrafter-mlx-corpus/1"
 # Order of the prompt pool: a weighted shuffle, so general chat comes first and the pool's math / code share
@@ -363,7 +363,7 @@ def build(target: Target, prompts_file: str | Path, root: str | Path, settings: 
     `worker=(i, n)`, this process makes only the shards whose index is i modulo n, so n processes (one per
     core, one BLAS thread each) can extend one corpus together.
     """
-    from ..prompts import read_prompts
+    from mlx_redrafter.prompts import read_prompts
 
     s = settings or Settings()
     rows = read_prompts(prompts_file)
@@ -443,7 +443,7 @@ def build(target: Target, prompts_file: str | Path, root: str | Path, settings: 
             data = shard_bytes(seqs, [len(p) for p in prompts], index, job.turn, job.split,
                                target.model.args.vocab_size)
             if features_dir is not None:  # derived data, local: the hidden states generation computed anyway
-                from .features import feature_path, save_features
+                from mlx_redrafter.train.features import feature_path, save_features
 
                 save_features(feature_path(features_dir, job.name, hashlib.sha256(data).hexdigest()),
                               [hiddens[i] for i in range(len(prompts))])

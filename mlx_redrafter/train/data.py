@@ -14,9 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import UserError
-from .corpus import Corpus, load_shard
-from .features import load_features
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.train.corpus import Corpus, load_shard
+from mlx_redrafter.train.features import load_features
 
 
 @dataclass

@@ -7,14 +7,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ..errors import UserError
+from mlx_redrafter.errors import UserError
 
 
 def heldout_prompt_ids(corpus_root: str | Path, num: int, seed: int = 0) -> list[list[int]]:
     """Chat-formatted prompt ids of `num` first-turn prompts of the corpus' held-out shard (never trained on)."""
     import numpy as np
 
-    from .corpus import Corpus, load_shard
+    from mlx_redrafter.train.corpus import Corpus, load_shard
 
     corpus = Corpus(corpus_root)
     names = [n for n, e in sorted(corpus.entries.items()) if e["split"] == "heldout"]
@@ -31,7 +31,7 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
              log=print) -> dict:
     """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates.
     `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report."""
-    from .. import api
+    from mlx_redrafter import api
 
     runner = api.load(model, drafter_spec, "float32")
     if "rnn" in draft and runner.drafter is None:

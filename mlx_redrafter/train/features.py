@@ -17,9 +17,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..files import write_atomic
-from ..model import Model
-from .corpus import Corpus, Shard, left_padded, load_shard
+from mlx_redrafter.files import write_atomic
+from mlx_redrafter.model import Model
+from mlx_redrafter.train.corpus import Corpus, Shard, left_padded, load_shard
 
 DEFAULT_CACHE = Path(".cache/features")
 
@@ -99,7 +99,7 @@ def load_features(path: Path, shard: Shard) -> np.ndarray:
     """The (contexts, H) float16 states of a shard; checked against the shard's context count."""
     arr = np.load(path, mmap_mode="r")
     if arr.shape[0] != context_count(shard):
-        from ..errors import UserError
+        from mlx_redrafter.errors import UserError
 
         raise UserError(f"feature file {path} has {arr.shape[0]} states but its shard has {context_count(shard)} "
                         f"context positions: delete it (it is rebuilt on demand)")

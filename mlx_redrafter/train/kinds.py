@@ -17,10 +17,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import UserError
-from ..loader import Target
-from ..medusa import MedusaArgs, MedusaHeads
-from ..semi_ar import SemiARArgs, SemiARDrafter
+from mlx_redrafter.draft.medusa import MedusaArgs, MedusaHeads
+from mlx_redrafter.draft.semi_ar import SemiARArgs, SemiARDrafter
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.models.loader import Target
 
 KINDS = ("redrafter", "medusa", "semi_ar_transformer", "semi_ar_lstm")
 KIND_TITLES = {"redrafter": "ReDrafter", "medusa": "Medusa", "semi_ar_transformer": "Semi-AR (simplified transformer)",

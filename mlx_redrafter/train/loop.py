@@ -15,13 +15,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafter import Drafter, DrafterArgs, check_compatible, save_drafter
-from ..errors import UserError
-from ..kinds import load_any_drafter
-from ..loader import Target
-from .data import Batch, Examples, draft_vocabulary, make_batch
-from .kinds import check_kind, kind_of, new_head_drafter
-from .loss import hard_loss, soft_loss, teacher_forced_logits
+from mlx_redrafter.draft.kinds import load_any_drafter
+from mlx_redrafter.draft.redrafter import Drafter, DrafterArgs, check_compatible, save_drafter
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.models.loader import Target
+from mlx_redrafter.train.data import Batch, Examples, draft_vocabulary, make_batch
+from mlx_redrafter.train.kinds import check_kind, kind_of, new_head_drafter
+from mlx_redrafter.train.loss import hard_loss, soft_loss, teacher_forced_logits
 
 
 @dataclass

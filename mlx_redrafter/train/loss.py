@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .data import Batch
+from mlx_redrafter.train.data import Batch
 
 
 def teacher_forced_logits(drafter, h: mx.array, emb_in: mx.array) -> mx.array:

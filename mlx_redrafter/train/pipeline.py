@@ -8,14 +8,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..drafter import Drafter, save_drafter
-from ..errors import UserError
-from ..loader import Target
-from .corpus import Corpus
-from .data import Examples, load_examples
-from .features import ensure
-from .kinds import KIND_TITLES
-from .loop import TrainConfig
+from mlx_redrafter.draft.redrafter import Drafter, save_drafter
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.models.loader import Target
+from mlx_redrafter.train.corpus import Corpus
+from mlx_redrafter.train.data import Examples, load_examples
+from mlx_redrafter.train.features import ensure
+from mlx_redrafter.train.kinds import KIND_TITLES
+from mlx_redrafter.train.loop import TrainConfig
 
 
 def pick_shards(corpus: Corpus, max_tokens: int | None = None) -> tuple[list[str], list[str]]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..sources import Allocator, DecodeState
-from .corpus import Shard
+from mlx_redrafter.sources import Allocator, DecodeState
+from mlx_redrafter.train.corpus import Shard
 
 
 @dataclass

@@ -12,12 +12,12 @@ from typing import Union
 
 import mlx.core as mx
 
-from . import medusa, semi_ar
-from .drafter import MODEL_TYPE as REDRAFTER_TYPE
-from .drafter import Drafter, load_drafter, read_checkpoint
-from .errors import UserError
-from .medusa import MedusaHeads
-from .semi_ar import SemiARDrafter
+from mlx_redrafter.draft import medusa, semi_ar
+from mlx_redrafter.draft.medusa import MedusaHeads
+from mlx_redrafter.draft.redrafter import MODEL_TYPE as REDRAFTER_TYPE
+from mlx_redrafter.draft.redrafter import Drafter, load_drafter, read_checkpoint
+from mlx_redrafter.draft.semi_ar import SemiARDrafter
+from mlx_redrafter.errors import UserError
 
 AnyDrafter = Union[Drafter, MedusaHeads, SemiARDrafter]
 LOADERS = {REDRAFTER_TYPE: load_drafter, medusa.MODEL_TYPE: medusa.load_medusa,

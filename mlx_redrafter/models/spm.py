@@ -15,7 +15,7 @@ from typing import Any
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as pb
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 _BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 # What a model directory needs (mlx-lm's own list, minus code files).
 PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .blas import blas_name
+from mlx_redrafter.system.blas import blas_name
 
 
 def _cpu_model() -> str:

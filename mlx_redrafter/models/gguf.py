@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 _NAMES = {
     "token_embd": "model.embed_tokens",

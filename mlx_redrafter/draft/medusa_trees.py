@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 TreePath = tuple[int, ...]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import UserError
-from .loader import DTYPES, dequantize_weights, read_checkpoint, resolve_model
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.models.loader import DTYPES, dequantize_weights, read_checkpoint, resolve_model
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)

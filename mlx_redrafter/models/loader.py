@@ -11,12 +11,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import hub, registry
-from .errors import UserError
-from .gguf import gguf_config, gguf_weights, read_gguf
-from .model import Model, ModelArgs
-from .templates import pick_template
-from .tokenizer import TextTokenizer
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.model import Model, ModelArgs
+from mlx_redrafter.models import hub, registry
+from mlx_redrafter.models.gguf import gguf_config, gguf_weights, read_gguf
+from mlx_redrafter.models.templates import pick_template
+from mlx_redrafter.models.tokenizer import TextTokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from . import spm, templates
-from .errors import UserError
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.models import spm, templates
 
 _EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
 

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafter import cast_floats, load_weights_into, read_checkpoint
-from .errors import UserError
+from mlx_redrafter.draft.redrafter import cast_floats, load_weights_into, read_checkpoint
+from mlx_redrafter.errors import UserError
 
 
 @dataclass(kw_only=True)

@@ -26,10 +26,10 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .draft_head import HeadArgs, HeadDrafter
-from .drafter import ResBlock
-from .errors import UserError
-from .sources import RnnSource
+from mlx_redrafter.draft.head import HeadArgs, HeadDrafter
+from mlx_redrafter.draft.redrafter import ResBlock
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.sources import RnnSource
 
 MODEL_TYPE = "semi_ar_drafter"
 TLMS = ("transformer", "lstm")

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 QUANT_BITS = (4, 8)

@@ -16,7 +16,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from .errors import UserError
+from mlx_redrafter.errors import UserError
 
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
                  "helpful, detailed, and polite answers to the user's questions.")

@@ -19,12 +19,12 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .draft_head import HeadArgs, HeadDrafter
-from .drafter import ResBlock
-from .errors import UserError
-from .medusa_trees import DEFAULT_TREE, TreePath, check_tree, parse_tree, tree_index
-from .sources import DecodeState
-from .tree import PAD
+from mlx_redrafter.draft.head import HeadArgs, HeadDrafter
+from mlx_redrafter.draft.medusa_trees import DEFAULT_TREE, TreePath, check_tree, parse_tree, tree_index
+from mlx_redrafter.draft.redrafter import ResBlock
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.sources import DecodeState
+from mlx_redrafter.tree import PAD
 
 MODEL_TYPE = "medusa"
 
