@@ -10,7 +10,6 @@ activations (what a float16 / quantized target would run; slow on this backend).
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -23,7 +22,7 @@ import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
 # isort: split
 import mlx.core as mx
 
-from mlx_redrafter.files import write_atomic
+from .report import save_report
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu"
 SHAPES = [(1, 3), (1, 5), (4, 3)]  # (W, L): the shipped default, a longer beam, a wider one
@@ -112,8 +111,7 @@ def run(num_prompts: int = 12, max_tokens: int = 128, repeats: int = 20, out_dir
     report = {"model": target.name, "prompts": f"MT-bench first turns 1-{num_prompts} (held out)",
               "max_tokens": max_tokens, "group_size": GROUP, "shapes": SHAPES, "variants": variants,
               "machine_state": watch.stop(warn=True), "machine_now": machine_brief()}
-    write_atomic(out_dir / "quantized-drafter.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(out_dir / "quantized-drafter.md", markdown(report))
+    save_report(out_dir, "quantized-drafter", report, markdown)
     return report
 
 

@@ -13,7 +13,6 @@ our weight arrays), on one short prompt. Overhead = what speculative decoding ad
 from __future__ import annotations
 
 import gc
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_redrafter.files import write_atomic
+from .report import save_report
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu"
 PROMPT = "Write a short poem about the sea."
@@ -124,8 +123,7 @@ def run(dtypes: list[str], out_dir: Path = OUT, log: Callable[[str], None] = pri
     rows = [measure(d, log) for d in dtypes]
     report = {"prompt": PROMPT, "contexts": CONTEXTS, "rows": rows, "goal_overhead_pct": 25,
               "machine_state": watch.stop(warn=False), "machine_now": machine_brief()}
-    write_atomic(out_dir / "memory.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(out_dir / "memory.md", markdown(report))
+    save_report(out_dir, "memory", report, markdown)
     return report
 
 

@@ -11,7 +11,6 @@ Writes bench/results/parity/<device>/parity.json and parity.md.
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -25,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.files import write_atomic
+
+from .report import save_report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results" / "parity"
 
@@ -259,8 +259,7 @@ def run(device: str, model: str | None, drafter_spec: str | None, n_prompts: int
         "tokenizer": tokenizer_parity(target, model, prompts), "per_prompt": rows,
         "total_s": round(time.perf_counter() - t0, 2),
     }
-    write_atomic(out_dir / "parity.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(out_dir / "parity.md", markdown(report))
+    save_report(out_dir, "parity", report, markdown)
     return report
 
 

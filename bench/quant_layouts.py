@@ -14,7 +14,6 @@ cached values need not be the layout's own (and a float16-activation prefill wou
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -28,8 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model
+
+from .report import save_report
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu"
 CTX = 200
@@ -126,8 +126,7 @@ def run(repeats: int = 3, slow_repeats: int = 1, out_dir: Path = OUT,
         r["ar_slowdown_vs_float32"] = round(r["ms_n1"] / base["ms_n1"], 2)
     report = {"context_tokens": CTX, "repeats": repeats, "slow_repeats": slow_repeats, "rows": rows,
               "machine_state": watch.stop(warn=True), "machine_now": machine_brief()}
-    write_atomic(out_dir / "quant-layouts.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(out_dir / "quant-layouts.md", markdown(report))
+    save_report(out_dir, "quant-layouts", report, markdown)
     return report
 
 

@@ -6,11 +6,19 @@ import csv
 import io
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.sweep import cell_width
+
+
+def save_report(out_dir: Path, stem: str, report: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> None:
+    """Write OUT_DIR/STEM.json (the record) and OUT_DIR/STEM.md (its tables), each atomically."""
+    write_atomic(out_dir / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    write_atomic(out_dir / f"{stem}.md", markdown(report))
+
 
 COLUMNS = [
     "device", "model", "drafter", "dtype", "config", "decoder", "draft", "beam_width", "beam_length", "lookup_width",

@@ -95,29 +95,43 @@ class Emitter:
         return tokens
 
 
+@dataclass
+class _Started:
+    """What both loops hold after the prefill: the cache, records, sampler state and the first token."""
+
+    cache: KVCache
+    stats: Stats
+    rng: Rng | None
+    emit: Emitter
+    g0: mx.array  # the first token, decided by the prefill
+    h: mx.array  # the target's last hidden state
+    first: int
+
+
 def _start(model: Model, prompt: list[int], cache: KVCache | None, extra: int, max_tokens: int,
-           stats: Stats | None) -> tuple[KVCache, Stats]:
+           stats: Stats | None, sampling: Sampling, eos_ids: list[int]) -> _Started:
+    """Size the cache (prompt + answer + `extra` scratch positions) and prefill the prompt."""
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
     if cache is None:
         cache = model.make_cache(len(prompt) + max_tokens + extra)
     mx.reset_peak_memory()
-    return cache, stats
+    rng = None if sampling.greedy else Rng(sampling.seed)
+    t0 = time.perf_counter()
+    g0, h = prefill(model, cache, prompt, sampling, rng)
+    first = g0.item()
+    stats.prefill_s = time.perf_counter() - t0
+    return _Started(cache, stats, rng, Emitter(stats, max_tokens, list(eos_ids)), g0, h, first)
 
 
 def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_ids: list[int] = (),
                 sampling: Sampling = GREEDY, stats: Stats | None = None, cache: KVCache | None = None,
                 ) -> Iterator[list[int]]:
     """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does)."""
-    cache, stats = _start(model, prompt, cache, 1, max_tokens, stats)
-    rng = None if sampling.greedy else Rng(sampling.seed)
-    emit = Emitter(stats, max_tokens, list(eos_ids))
-    t0 = time.perf_counter()
-    g0, _ = prefill(model, cache, prompt, sampling, rng)
-    first = g0.item()
-    stats.prefill_s = time.perf_counter() - t0
+    s = _start(model, prompt, cache, 1, max_tokens, stats, sampling, eos_ids)
+    cache, stats, rng, emit, g0 = s.cache, s.stats, s.rng, s.emit, s.g0
     t_start = time.perf_counter()
-    out = emit([first])
+    out = emit([s.first])
     if out:
         yield out
     queued = None
@@ -139,15 +153,10 @@ def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, 
                          profile: bool = False) -> Iterator[list[int]]:
     """Speculative decoding with the allocator's draft sources; candidates are `length` tokens (g0 included)."""
     budget = sum(s.width for s in allocator.slots) * length
-    cache, stats = _start(model, prompt, cache, budget, max_tokens, stats)
-    rng = None if sampling.greedy else Rng(sampling.seed)
-    emit = Emitter(stats, max_tokens, list(eos_ids))
-    t0 = time.perf_counter()
-    g0, h = prefill(model, cache, prompt, sampling, rng)
-    first = g0.item()
-    stats.prefill_s = time.perf_counter() - t0
+    s = _start(model, prompt, cache, budget, max_tokens, stats, sampling, eos_ids)
+    cache, stats, rng, emit, first = s.cache, s.stats, s.rng, s.emit, s.first
     t_start = time.perf_counter()
-    state = DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h)
+    state = DecodeState(tokens=[*history, *prompt, first], g0=s.g0.astype(mx.int32), h=s.h)
     for src in allocator.sources:
         src.start(state.tokens)
     out = emit([first])
