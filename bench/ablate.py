@@ -42,11 +42,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], int | None]] = {
 }
 
 
-def draft_mode(kind: str) -> str:
-    """The decode mode that drafts with a drafter of this kind."""
-    return "rnn" if kind == "redrafter" else "medusa" if kind == "medusa" else "semi_ar"
-
-
 def run_ablation(names: list[str], corpus_root: Path, features_root: Path, runs_root: Path, out_dir: Path,
                  base: dict[str, Any], eval_prompts: int, eval_tokens: int, shapes: list[tuple[int, int]],
                  log=print) -> dict[str, Any]:
@@ -55,6 +50,7 @@ def run_ablation(names: list[str], corpus_root: Path, features_root: Path, runs_
     from mlx_redrafter.system.machine import machine_info
     from mlx_redrafter.system.machine_state import loadavg
     from mlx_redrafter.train.evaluate import heldout_prompt_ids, run_eval
+    from mlx_redrafter.train.kinds import DRAFT_MODE
     from mlx_redrafter.train.loop import TrainConfig, train_drafter
     from mlx_redrafter.train.pipeline import prepare, save_shipped
 
@@ -78,7 +74,7 @@ def run_ablation(names: list[str], corpus_root: Path, features_root: Path, runs_
         tr, ho, used = prepare(target, corpus_root, features_root, max_tokens, log=log)
         drafter, summary = train_drafter(target, tr, ho, run, cfg, log=log)
         save_shipped(drafter, run / "final", "")
-        mode = draft_mode(cfg.kind)
+        mode = DRAFT_MODE[cfg.kind]
         cell_shapes = shapes if mode != "medusa" else sorted({(1, L) for _, L in shapes})  # Medusa: tree, no W
         ev = run_eval(str(run / "final"), None, sorted({w for w, _ in cell_shapes}),
                       sorted({L for _, L in cell_shapes}), prompts, eval_tokens, "the corpus' held-out shard",
@@ -95,6 +91,10 @@ def run_ablation(names: list[str], corpus_root: Path, features_root: Path, runs_
             "loadavg": loadavg(), "seconds": round(time.perf_counter() - t0, 1),
         }
         del drafter
+        done = results["variants"][name]
+        if out_json.exists():  # another ablation process may have written variants meanwhile: keep them
+            results = json.loads(out_json.read_text())
+            results.setdefault("variants", {})[name] = done
         results["machine"] = machine_info()
         results["settings"] = {"base": asdict(replace(TrainConfig(), **base)), "eval_prompts": len(prompts),
                                "eval_tokens": eval_tokens, "shapes": shapes}

@@ -96,7 +96,7 @@ def train(
     import time
 
     from mlx_redrafter.models.loader import load_target
-    from mlx_redrafter.train.kinds import check_kind
+    from mlx_redrafter.train.kinds import DRAFT_MODE, check_kind
     from mlx_redrafter.train.loop import train_drafter
     from mlx_redrafter.train.pipeline import model_card, prepare, save_shipped
 
@@ -121,7 +121,7 @@ def train(
         save_shipped(drafter, run_dir / "final", "", float16=float16)
         res = run_eval(str(run_dir / "final"), model, [1, 4], [3, 5],
                        heldout_prompt_ids(corpus / target.name, eval_prompts), 128, "the corpus' held-out shard",
-                       draft=_DRAFT_OF_KIND[kind], log=None)
+                       draft=DRAFT_MODE[kind], log=None)
         extra = "\n" + format_eval(res) + "\n"
         typer.echo(format_eval(res), err=True)
     out = output or (_shipped_dir(target.name) if kind == "redrafter" else run_dir / "drafter")
@@ -133,7 +133,6 @@ def train(
     typer.echo(f"step 3/3: saved {out}", err=True)
 
 
-_DRAFT_OF_KIND = {"redrafter": "rnn", "medusa": "medusa", "semi_ar_transformer": "semi_ar", "semi_ar_lstm": "semi_ar"}
 
 
 def _shipped_dir(model_name: str) -> Path:

@@ -27,6 +27,10 @@ KIND_TITLES = {"redrafter": "ReDrafter", "medusa": "Medusa", "semi_ar_transforme
                "semi_ar_lstm": "Semi-AR (LSTM)"}
 
 
+# the decode mode (`--draft`) that drafts with a drafter of each kind
+DRAFT_MODE = {"redrafter": "rnn", "medusa": "medusa", "semi_ar_transformer": "semi_ar", "semi_ar_lstm": "semi_ar"}
+
+
 def check_kind(kind: str) -> None:
     """One-line error unless `kind` is a drafter kind the trainer builds."""
     if kind not in KINDS:
