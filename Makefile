@@ -55,7 +55,7 @@ distill: $(STAMP)  ## extend the distillation corpus (data/corpus/; resumable, n
 	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(or $(WORKERS),1) $(DISTILL_ARGS) & \
 	done; wait
 
-train: $(STAMP)  ## reproduce the shipped drafter from the committed corpus (features rebuilt on demand)
+train: $(STAMP)  ## train the drafter recipe on the committed corpus -> runs/drafter/drafter (features rebuilt on demand)
 	MKL_NUM_THREADS=$(or $(THREADS),2) $(BIN)/redrafter-mlx train
 
 clean:

@@ -1,4 +1,4 @@
-"""`python -m bench sweep|parity|ablate` (run from the repository root; bench/ is a repo tool, not installed)."""
+"""`python -m bench sweep|parity|ablate|compare|...` (from the repo root; bench/ is a repo tool, not installed)."""
 
 from __future__ import annotations
 
@@ -294,6 +294,25 @@ def profile(
     write_atomic(out / "verify-profile.json", json.dumps(res, indent=1, default=str) + "\n")
     write_atomic(out / "verify-profile.md", text)
     typer.echo(text)
+
+
+@app.command()
+@c.one_line_errors
+def compare(
+    device: str = typer.Option("cpu", help="Reads and writes bench/results/DEVICE/."),
+) -> None:
+    """ReDrafter vs Medusa vs semi-AR vs lookup at their best cells, from the committed sweeps and the ablation
+    -> drafter-comparison.{json,md}."""
+    from .compare import markdown, write_comparison
+
+    folder = Path(__file__).resolve().parent / "results" / device
+    if not folder.is_dir():
+        raise UserError(f"no results at {folder}: run `python -m bench sweep --device {device}` first")
+    report = write_comparison(folder)
+    if not report["rows"]:
+        raise UserError(f"no sweeps with greedy float32 cells under {folder}: run the sweeps first "
+                        "(see bench/README.md)")
+    typer.echo(markdown(report))
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], int | None]] = {
     "T-3": ({"draft_len": 3}, None),
     "T-8": ({"draft_len": 8}, None),
     "dropout-0.2": ({"input_dropout": 0.2}, None),
+    "steps-2000": ({"steps": 2000}, None),  # twice the budget (~1.6 epochs of the 0.32M corpus)
     "random-head-init": ({"init_from_target": False}, None),
     "corpus-0.15M": ({}, 150_000),
     "corpus-0.5M": ({}, 500_000),
@@ -100,6 +101,7 @@ def run_ablation(names: list[str], corpus_root: Path, features_root: Path, runs_
                                "eval_tokens": eval_tokens, "shapes": shapes}
         write_atomic(out_json, json.dumps(results, indent=1) + "\n")
         write_atomic(out_dir / "drafter-ablation.md", markdown(results))
+        plot_learning_curve(results, out_dir / "drafter-learning-curve.png")
     return results
 
 
@@ -120,4 +122,37 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {r['corpus_tokens']:,} | {r['params'] / 1e6:.2f}M | {r['steps']} "
                      f"| {r['train_s']:.0f} | {r['heldout_loss']:.3f} | {top} | "
                      + " | ".join(f"{r['tokens_per_call'].get(k, float('nan')):.3f}" for k in shapes) + " |")
+    curve = learning_curve(results)
+    if len(curve) > 1:
+        lines += ["", "Learning curve (the base recipe at growing corpus sizes, same steps; "
+                      "[plot](drafter-learning-curve.png)):", "",
+                  "| corpus tokens | held-out loss | top-1 step 1 | " + " | ".join(f"tokens/call {k}" for k in shapes)
+                  + " |", "|---" * (3 + len(shapes)) + "|"]
+        for r in curve:
+            lines.append(f"| {r['corpus_tokens']:,} | {r['heldout_loss']:.3f} | {r['heldout_top1'][0]:.3f} | "
+                         + " | ".join(f"{r['tokens_per_call'].get(k, float('nan')):.3f}" for k in shapes) + " |")
     return "\n".join(lines) + "\n"
+
+
+def learning_curve(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The base recipe's variants (no overrides) by corpus size."""
+    rows = [r for r in results["variants"].values() if not r["overrides"]]
+    return sorted(rows, key=lambda r: r["corpus_tokens"])
+
+
+def plot_learning_curve(results: dict[str, Any], path: Path) -> str | None:
+    """Tokens per target call vs corpus size (log x), one line per cell shape; None with fewer than 2 sizes."""
+    curve = learning_curve(results)
+    if len(curve) < 2:
+        return None
+    from .plots import _save, plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for k in sorted({k for r in curve for k in r["tokens_per_call"]}):
+        ax.plot([r["corpus_tokens"] for r in curve], [r["tokens_per_call"].get(k) for r in curve], "o-", label=k)
+    ax.set_xscale("log")
+    ax.set(xlabel="distilled response tokens (training)", ylabel="tokens per target call (held-out)",
+           title="ReDrafter learning curve")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from bench.__main__ import app
+from bench.compare import write_comparison
 from bench.report import COLUMNS
 from bench.run import BenchSpec, run_bench
 
@@ -58,6 +59,11 @@ def test_tiny_sweep_writes_everything(tmp_path):
     assert readme.splitlines()[2].startswith("Machine state (float32 sweep")
     assert "| rnn | float32 | 0 | greedy | 1 | 2 |" in readme and "Step profile" in readme
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+    report = write_comparison(out)  # the drafter comparison reads the same sweep: one row per draft mode found
+    assert [r["drafter"] for r in report["rows"]] == ["lookup (no training)", "redrafter (shipped)"]
+    assert all(r["equal_ar"] == 1.0 and r["width"] == 1 and r["beam_length"] == 2 for r in report["rows"])
+    assert "| redrafter (shipped) | 0 | 0 | - | 1 | 2 |" in (out / "drafter-comparison.md").read_text()
 
 
 def test_temperature_axis_compares_acceptance_rules(target):

@@ -62,9 +62,8 @@ def train(
     corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (CORPUS/<model>/ from `distill`)."),
     features: Path = typer.Option(DEFAULT_FEATURES, help="Derived-data cache (hidden states; rebuilt on demand)."),
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Where the drafter is written [redrafter: the "
-                                       "package's drafters/<model> folder (the shipped drafter); other kinds: "
-                                       "RUN_DIR/drafter]."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Where the drafter is written [RUN_DIR/drafter; "
+                                       "to replace the shipped one, mlx_redrafter/drafters/<model>]."),
     run_dir: Path | None = typer.Option(None, help="Checkpoints and history (resumable) [runs/drafter, other kinds: "
                                         "runs/drafter-KIND]."),
     kind: str = typer.Option(TrainConfig.kind, "--kind", help="Drafter kind: redrafter, medusa, semi_ar_transformer "
@@ -91,7 +90,8 @@ def train(
     1. features: the target's hidden state at every context position of the chosen shards (kept from
        `distill` when present, else a teacher-forced float32 pass; cached in --features).
     2. train: the drafter learns to predict T tokens ahead (AdamW, warmup + cosine; checkpoints in --run-dir).
-    3. save: config.json + model.safetensors + MODEL_CARD.md to --output.
+    3. save: config.json + model.safetensors + MODEL_CARD.md to --output (default RUN_DIR/drafter; compare it with
+       the shipped drafter by `redrafter-mlx eval-drafter --drafter DIR` before replacing that one).
     """
     import time
 
@@ -124,7 +124,7 @@ def train(
                        draft=DRAFT_MODE[kind], log=None)
         extra = "\n" + format_eval(res) + "\n"
         typer.echo(format_eval(res), err=True)
-    out = output or (_shipped_dir(target.name) if kind == "redrafter" else run_dir / "drafter")
+    out = output or run_dir / "drafter"  # never the shipped drafter unless asked: compare first (eval-drafter)
     summary.update(used=used, timings=timings)
     from mlx_redrafter.files import write_atomic
 
@@ -132,13 +132,6 @@ def train(
     save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
     typer.echo(f"step 3/3: saved {out}", err=True)
 
-
-
-
-def _shipped_dir(model_name: str) -> Path:
-    from mlx_redrafter.api import SHIPPED_DRAFTERS
-
-    return SHIPPED_DRAFTERS / model_name
 
 
 @c.one_line_errors
