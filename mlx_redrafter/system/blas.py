@@ -4,7 +4,7 @@ The `mlx[cpu]` wheel links a slow reference BLAS. Loading Intel MKL (PyPI `mkl`)
 RTLD_GLOBAL before `mlx.core` is imported makes MLX's cblas calls resolve to the fast library.
 Switch: REDRAFTER_BLAS=auto (default) | mkl | openblas | off.
 
-On x86-64 with AVX-512 a small library of ours (csrc/smallgemm.c, built at install) is loaded first: its
+On x86-64 with AVX-512 or AVX2 + FMA a small library of ours (csrc/smallgemm.c, built at install) is loaded first: its
 cblas_sgemm computes the products of few rows (decode and verification steps) by streaming each weight once,
 and hands everything else to the BLAS. Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
 """

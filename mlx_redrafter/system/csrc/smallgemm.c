@@ -1,4 +1,4 @@
-/* Small-M matrix products for MLX's CPU backend on x86-64 with AVX-512.
+/* Small-M matrix products for MLX's CPU backend on x86-64 (AVX-512, else AVX2 + FMA).
  *
  * MLX computes every float32 matrix product through cblas_sgemm. Loaded with RTLD_GLOBAL before the optimized
  * BLAS (see blas.py), this library's cblas_sgemm is the one MLX calls: it handles y = x W^T with few rows of x
@@ -66,17 +66,79 @@ KERNEL(2, 10)
 KERNEL(4, 6)
 KERNEL(8, 3)
 
+/* The same kernels on 8-lane AVX2 + FMA registers (16 of them: at most 8 accumulators). */
+__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+#define KERNEL2(MM, R)                                                                                       \
+    __attribute__((target("avx2,fma"))) static void a_##MM##_##R(const float *x, const float *w, float *y,  \
+                                                                 int K, int ldy, int n0, int n1) {          \
+        int n = n0;                                                                                          \
+        for (; n + R <= n1; n += R) {                                                                        \
+            __m256 acc[MM][R];                                                                               \
+            for (int m = 0; m < MM; m++)                                                                     \
+                for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();                                 \
+            for (int k = 0; k < K; k += 8) {                                                                 \
+                __m256 wv[R];                                                                                \
+                if ((k & 15) == 0) /* the next block's rows: keeps enough loads in flight when MM is large */ \
+                    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), _MM_HINT_T0); \
+                for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + (size_t)(n + r) * K + k);            \
+                for (int m = 0; m < MM; m++) {                                                               \
+                    __m256 xv = _mm256_loadu_ps(x + (size_t)m * K + k);                                      \
+                    for (int r = 0; r < R; r++) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);           \
+                }                                                                                            \
+            }                                                                                                \
+            for (int m = 0; m < MM; m++)                                                                     \
+                for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = hsum256(acc[m][r]);                 \
+        }                                                                                                    \
+        for (; n < n1; n++) {                                                                                \
+            __m256 acc[MM];                                                                                  \
+            for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                                       \
+            for (int k = 0; k < K; k += 8) {                                                                 \
+                __m256 wv = _mm256_loadu_ps(w + (size_t)n * K + k);                                          \
+                for (int m = 0; m < MM; m++)                                                                 \
+                    acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)m * K + k), acc[m]);             \
+            }                                                                                                \
+            for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = hsum256(acc[m]);                           \
+        }                                                                                                    \
+    }
+KERNEL2(1, 8)
+KERNEL2(2, 4)
+KERNEL2(3, 2)
+KERNEL2(4, 2)
+KERNEL2(5, 1)
+KERNEL2(6, 1)
+KERNEL2(7, 1)
+KERNEL2(8, 1)
+typedef void (*kernel_fn)(const float *, const float *, float *, int, int, int, int);
+static const kernel_fn avx2_kernels[9] = {0, a_1_8, a_2_4, a_3_2, a_4_2, a_5_1, a_6_1, a_7_1, a_8_1};
+
+static int has_avx512(void) {
+    static int ok = -1;
+    if (ok < 0) ok = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    return ok;
+}
+
+/* y (M, ldy) [n0, n1) = x (M, K) w[n0:n1]^T; every element summed in the same order whatever M is. */
 static void rows(const float *x, const float *w, float *y, int M, int K, int ldy, int n0, int n1) {
     int m = 0;
-    for (; M - m >= 8; m += 8) k_8_3(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
-    if (M - m >= 4) { k_4_6(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 4; }
-    if (M - m >= 2) { k_2_10(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 2; }
-    if (M - m >= 1) k_1_12(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+    if (has_avx512()) {
+        for (; M - m >= 8; m += 8) k_8_3(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+        if (M - m >= 4) { k_4_6(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 4; }
+        if (M - m >= 2) { k_2_10(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 2; }
+        if (M - m >= 1) k_1_12(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+        return;
+    }
+    for (; m < M; m += 8) /* one pass over the weights per 8 rows of x */
+        avx2_kernels[M - m < 8 ? M - m : 8](x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
 }
 
 static int usable(void) {
     static int ok = -1;
-    if (ok < 0) ok = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    if (ok < 0) ok = has_avx512() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
     return ok;
 }
 #endif
