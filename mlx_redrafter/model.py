@@ -121,7 +121,54 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     scores = (q * scale).reshape(B, h_kv, r * N, D) @ k.swapaxes(-1, -2)  # (B, h_kv, r*N, S): rows (head, n)
     if mask is not None:
         scores = mx.where(mx.tile(mask, (1, 1, r, 1)) if r > 1 else mask, scores, -mx.inf)
-    return (_softmax_cpu(scores) @ v).reshape(B, h, N, D)
+    # One visible key (a one-token prompt): its weight is 1. (MLX's shapeless compile crashes on a size-1 axis.)
+    probs = _softmax_cpu(scores) if scores.shape[-1] > 1 else mx.ones_like(scores)
+    return (probs @ v).reshape(B, h, N, D)
+
+
+class FusedLinear:
+    """Several bias-free or all-biased `nn.Linear`s over the same input as one matrix product (fewer, larger
+    products: one pass over the weights instead of several). Built at load time: the layers' weights become
+    views into the fused matrix, so parameters, checkpoints and memory are unchanged. If a layer's weight is
+    replaced later (new weights loaded, a dtype change), `current()` turns False and callers use the layers."""
+
+    def __init__(self, layers: list[nn.Linear]):
+        biased = ["bias" in layer for layer in layers]
+        self.layers = layers
+        self.weight = mx.concatenate([layer.weight for layer in layers])  # (sum of outputs, in)
+        self.bias = mx.concatenate([layer.bias for layer in layers]) if all(biased) else None
+        mx.eval(self.weight, *([] if self.bias is None else [self.bias]))
+        sizes = [layer.weight.shape[0] for layer in layers]
+        self.splits = list(np.cumsum(sizes)[:-1])
+        start = 0
+        for layer, n in zip(layers, sizes):
+            layer.weight = self.weight[start : start + n]
+            if self.bias is not None:
+                layer.bias = self.bias[start : start + n]
+            start += n
+        mx.eval([layer.parameters() for layer in layers])
+        self.views = [layer.weight for layer in layers]
+
+    @staticmethod
+    def supported(layers: list[nn.Module]) -> bool:
+        """Plain (not quantized) linears of one dtype, all with or all without bias."""
+        return (all(type(layer) is nn.Linear for layer in layers)
+                and len({layer.weight.dtype for layer in layers}) == 1
+                and len({"bias" in layer for layer in layers}) == 1)
+
+    def current(self) -> bool:
+        return all(layer.weight is w for layer, w in zip(self.layers, self.views))
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        return mx.split(y, self.splits, axis=-1)
+
+
+def project(x: mx.array, fused: FusedLinear | None, layers: list[nn.Module]) -> list[mx.array]:
+    """The outputs of `layers` on x: one fused product when it is current, else one product per layer."""
+    if fused is not None and fused.current():
+        return fused(x)
+    return [layer(x) for layer in layers]
 
 
 class Attention(nn.Module):
@@ -134,14 +181,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
+        self.qkv: FusedLinear | None = None  # see Model.fuse_projections
+
     def __call__(
         self, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None, cache: KVCache, layer: int
     ) -> mx.array:
         B, N, _ = x.shape
         cos, sin = rope
-        q = apply_rope(self.q_proj(x).reshape(B, N, self.n_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
-        k = apply_rope(self.k_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, N, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q, k, v = project(x, self.qkv, [self.q_proj, self.k_proj, self.v_proj])
+        q = apply_rope(q.reshape(B, N, self.n_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
+        k = apply_rope(k.reshape(B, N, self.n_kv_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
+        v = v.reshape(B, N, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         keys, values = cache.write(layer, k, v)  # (B, n_kv, S, D), S = cache.offset + N
         out = attention(q, keys, values, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
@@ -154,9 +204,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
         self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+        self.gate_up: FusedLinear | None = None  # see Model.fuse_projections
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(*project(x, self.gate_up, [self.gate_proj, self.up_proj])))
 
 
 class TransformerBlock(nn.Module):
@@ -194,6 +245,16 @@ class Model(nn.Module):
     def make_cache(self, capacity: int) -> KVCache:
         """An empty KV cache for this model, pre-sized for `capacity` positions (it grows if needed)."""
         return KVCache(self.args.num_hidden_layers, capacity)
+
+    def fuse_projections(self) -> None:
+        """Compute q/k/v and gate/up as one product each (plain float weights; quantized layers stay apart).
+        Same results: every output is the same dot product; parameters and checkpoints are unchanged."""
+        for layer in self.model.layers:
+            a, p = layer.self_attn, layer.mlp
+            if FusedLinear.supported([a.q_proj, a.k_proj, a.v_proj]):
+                a.qkv = FusedLinear([a.q_proj, a.k_proj, a.v_proj])
+            if FusedLinear.supported([p.gate_proj, p.up_proj]):
+                p.gate_up = FusedLinear([p.gate_proj, p.up_proj])
 
     @property
     def dtype(self) -> mx.Dtype:

@@ -60,3 +60,36 @@ def test_packed_tree_forward_matches_each_beam_alone(target, chat_ids):
         got = tree.unpacker[i]
         assert mx.abs(logits[0, got] - ref_logits[0]).max().item() <= 1e-4
         assert mx.abs(hidden[0, got] - ref_hidden[0]).max().item() <= 1e-4
+
+
+def test_fused_projections_change_neither_results_nor_parameters(target, chat_ids):
+    """q/k/v and gate/up run as one product each (built at load); outputs and parameters are those of the
+    separate layers, and a weight replaced afterwards is used (the fused product is then skipped)."""
+    from mlx_redrafter.model import Model
+
+    m = target.model
+    assert all(layer.self_attn.qkv.current() and layer.mlp.gate_up.current() for layer in m.model.layers)
+    plain = Model(m.args)  # the same weights, never fused
+    plain.load_weights(tree_flatten(m.parameters()), strict=True)
+    assert plain.model.layers[0].self_attn.qkv is None
+    assert [k for k, _ in tree_flatten(plain.parameters())] == [k for k, _ in tree_flatten(m.parameters())]
+    ids = mx.array([chat_ids[1][:40]])
+    for n in (1, 4, 40):  # one token, a verify block, a prefill
+        a, _ = m(ids[:, :n], m.make_cache(64))
+        b, _ = plain(ids[:, :n], plain.make_cache(64))
+        assert mx.abs(a - b).max().item() <= 1e-5
+
+    layer = plain.model.layers[0].self_attn
+    plain.fuse_projections()
+    before, _ = plain(ids[:, :4], plain.make_cache(64))
+    layer.k_proj.weight = layer.k_proj.weight * 0  # replaced after fusing
+    assert not layer.qkv.current()
+    after, _ = plain(ids[:, :4], plain.make_cache(64))
+    assert mx.abs(after - before).max().item() > 1e-2
+
+
+def test_a_one_token_prompt_runs_and_matches_mlx_lm(target):
+    """A forward over one token with an empty cache (one visible key) used to crash MLX's compiled softmax."""
+    ids = mx.array([[1]])
+    ours, _ = target.model(ids, target.model.make_cache(8))
+    assert mx.abs(ours - mlx_lm_model(target)(ids)).max().item() <= 1e-4

@@ -127,6 +127,7 @@ def build_model(cfg: dict[str, Any], weights: dict[str, mx.array], quant: dict[s
     except ValueError as e:
         raise UserError(f"model weights do not match a Llama model: {str(e).splitlines()[0]}") from None
     mx.eval(model.parameters())
+    model.fuse_projections()
     return model
 
 
