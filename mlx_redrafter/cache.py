@@ -51,7 +51,12 @@ class KVCache:
         """Commit an accepted path: scratch indices `path` (L,) in order; the first n become committed.
 
         The whole path (fixed length L) is copied so shapes stay static; entries past n are scratch again.
+        Nothing is copied when the first n entries are already in place (the path starts 0, 1, ..., n-1, as it
+        does whenever the first candidate's run is kept); `path` must then be evaluated (it is read on the host).
         """
+        if path[:n].tolist() == list(range(n)):
+            self.offset += n
+            return
         src = self.offset + path
         lo, hi = self.offset, self.offset + path.shape[0]
         for i in range(self.num_layers):

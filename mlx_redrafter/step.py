@@ -85,10 +85,10 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     h = hidden[0, acc.stop][None]
     drafted = tree.tokens[acc.path]
     n_real = (cands >= 0).sum()
-    mx.eval(acc.n, acc.next_token, h, drafted, acc.runs, n_real)
+    mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.runs, n_real)
     clock.lap("accept", unprofiled="verify")
     n = acc.n.item()
-    cache.commit(acc.path, n + 1)  # commit (lazy: evaluated with the next verify unless profiling)
+    cache.commit(acc.path, n + 1)  # commit (a copy only if the path is not in place; lazy)
     clock.lap("commit", *cache.state())
     tokens = drafted[1 : n + 1].tolist() + acc.next_token.tolist()
     runs, proposed, row = {}, {}, 0

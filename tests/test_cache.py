@@ -56,3 +56,15 @@ def test_select_keeps_batch_rows():
     cache.select(mx.array([2, 0]))
     keys, values = cache.committed(0)
     assert keys[:, 0, 0].tolist() == [[4, 5], [0, 1]] and values.shape == (2, 1, 1, 2)
+
+
+def test_commit_copies_nothing_when_the_path_is_in_place():
+    cache = KVCache(1, 16)
+    k = mx.arange(6 * 2, dtype=mx.float32).reshape(1, 1, 6, 2)
+    cache.write(0, k, k)
+    cache.advance(2)
+    cache.write(0, k[:, :, :4] + 100, k[:, :, :4] + 100)
+    before = cache.keys[0]
+    cache.commit(mx.array([0, 1, 3]), 2)  # the kept entries 0, 1 are where they belong
+    assert cache.keys[0] is before and cache.offset == 4
+    assert cache.committed(0)[0][0, 0].tolist() == [[0, 1], [2, 3], [100, 101], [102, 103]]

@@ -96,7 +96,28 @@ def load_optimized_blas() -> str | None:
                 real = ctypes.cast(_handle.cblas_sgemm, ctypes.c_void_p).value
                 _small.redrafter_gemm_init(ctypes.c_void_p(real), ctypes.c_int(_env_threads()))
             return _loaded
+    _bundled_fallback()
     return None
+
+
+def _bundled_fallback() -> None:
+    """No optimized BLAS: give the small-GEMM library the reference BLAS bundled with MLX's wheel for every
+    other product (it cannot find it itself: MLX loads it privately)."""
+    if _small is None:
+        return
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(os.path.dirname(root), "mlx*.libs", "libblas*.so*"))):
+            try:
+                lib = ctypes.CDLL(path)  # RTLD_LOCAL: MLX's own copy keeps serving MLX
+            except OSError:
+                continue
+            real = ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value
+            _small.redrafter_gemm_init(ctypes.c_void_p(real), ctypes.c_int(_env_threads()))
+            return
 
 
 def set_threads(n: int) -> bool:

@@ -168,5 +168,24 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
 #endif
     slow_calls++;
     if (!fallback) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");  /* whatever BLAS comes after us */
-    fallback(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    if (fallback) {
+        fallback(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    /* No BLAS reachable (blas.py normally hands us one): a plain loop, slow but right. Column-major
+       C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T. */
+    if (layout != RowMajor) {
+        const float *t = A; A = B; B = t;
+        int ti = ta; ta = tb; tb = ti;
+        ti = lda; lda = ldb; ldb = ti;
+        ti = M; M = N; N = ti;
+    }
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++)
+                acc += (ta == NoTrans ? A[(size_t)i * lda + k] : A[(size_t)k * lda + i]) *
+                       (tb == NoTrans ? B[(size_t)k * ldb + j] : B[(size_t)j * ldb + k]);
+            C[(size_t)i * ldc + j] = alpha * acc + (beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j]);
+        }
 }
