@@ -14,9 +14,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_redrafter.model import Model, apply_rope, attention
+from mlx_redrafter.model import Model, apply_rope, attention, project
 
 COMPONENTS = ("matmuls", "vocab", "attention", "rope", "kv_write", "norms")
+MODEL = frozenset(["<the model's own forward>"])
 
 
 def forward(m: Model, tokens: mx.array, cache, positions: mx.array, mask: mx.array | None,
@@ -32,7 +33,7 @@ def forward(m: Model, tokens: mx.array, cache, positions: mx.array, mask: mx.arr
         if "matmuls" in skip:
             q, k, v = h, h[..., : a.n_kv_heads * a.head_dim], h[..., : a.n_kv_heads * a.head_dim]
         else:
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q, k, v = project(h, a.qkv, [a.q_proj, a.k_proj, a.v_proj])  # fused at load, as the model runs
         q = q.reshape(B, N, a.n_heads, a.head_dim)
         k = k.reshape(B, N, a.n_kv_heads, a.head_dim)
         if "rope" not in skip:
@@ -68,8 +69,12 @@ def profile(m: Model, Ns: list[int], context: int = 200, repeats: int = 15) -> d
         cache.offset = context
         pos = mx.arange(context, context + N)[None]
         mask = None if N == 1 else (mx.arange(context + N)[None, :] <= (mx.arange(N)[:, None] + context))[None, None]
+        tokens = mx.arange(N, dtype=mx.int32)[None] + 100
         t0 = time.perf_counter()
-        out = forward(m, mx.arange(N, dtype=mx.int32)[None] + 100, cache, pos, mask, skip)
+        if skip == MODEL:  # the model's own forward, as a check on the rebuilt one
+            out = m(tokens, cache, pos, mask)
+        else:
+            out = forward(m, tokens, cache, pos, mask, skip)
         t1 = time.perf_counter()
         if build_only:
             mx.eval(out)
@@ -77,7 +82,7 @@ def profile(m: Model, Ns: list[int], context: int = 200, repeats: int = 15) -> d
         mx.eval(out)
         return time.perf_counter() - t0
 
-    variants = [frozenset()] + [frozenset([c]) for c in COMPONENTS]
+    variants = [frozenset(), MODEL] + [frozenset([c]) for c in COMPONENTS]
     rows = []
     for N in Ns:
         for v in variants:
@@ -90,7 +95,8 @@ def profile(m: Model, Ns: list[int], context: int = 200, repeats: int = 15) -> d
             build.append(run(N, frozenset(), build_only=True))
         med = {v: 1000 * statistics.median(t) for v, t in times.items()}
         full = med[frozenset()]
-        row = {"N": N, "full_ms": round(full, 2), "graph_build_ms": round(1000 * statistics.median(build), 2)}
+        row = {"N": N, "full_ms": round(full, 2), "model_ms": round(med[MODEL], 2),
+               "graph_build_ms": round(1000 * statistics.median(build), 2)}
         for c in COMPONENTS:
             row[f"{c}_ms"] = round(full - med[frozenset([c])], 2)
         row["rest_ms"] = round(full - sum(row[f"{c}_ms"] for c in COMPONENTS), 2)
@@ -103,10 +109,11 @@ def profile(m: Model, Ns: list[int], context: int = 200, repeats: int = 15) -> d
 
 def markdown(res: dict[str, Any], title: str) -> str:
     """The profile as a table."""
-    cols = ["full_ms", "vs_N1"] + [f"{c}_ms" for c in COMPONENTS] + ["rest_ms", "graph_build_ms"]
+    cols = ["full_ms", "vs_N1", "model_ms"] + [f"{c}_ms" for c in COMPONENTS] + ["rest_ms", "graph_build_ms"]
     lines = [f"# {title}", "", f"One target forward over N new tokens after a {res['context']}-token context, "
              f"median of {res['repeats']} interleaved repeats; component = full minus the forward without it "
-             "(ms). `matmuls` = the 7 projections of every layer, `vocab` = the 49,152-row output projection, "
+             "(ms). `model_ms` = the model's own forward (the rebuilt one should match it); `matmuls` = the "
+             "projections of every layer (q/k/v and gate/up fused), `vocab` = the 49,152-row output projection, "
              "`rest` = embedding, op dispatch and what the ablations do not separate.", "",
              "| N | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for r in res["rows"]:

@@ -48,3 +48,13 @@ def test_tune_refuses_to_store_on_a_busy_machine(tmp_path, monkeypatch, spinner)
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert lines[0].startswith("error: the machine is busy") and f"pid {spinner.pid}" in lines[0]
     assert "--force" in lines[0] and not tuned.exists()
+
+
+def test_a_busy_process_is_not_waited_out(spinner):
+    """The settle wait is only for a load average left by finished work; a process busy now is reported at once."""
+    from mlx_redrafter.system.machine_state import MachineWatch
+
+    watch = MachineWatch(interval=0.5, settle=60)
+    watch.start()
+    assert watch.before["settled_s"] < 5
+    assert spinner.pid in [p["pid"] for p in watch.before["busy"]]

@@ -92,17 +92,37 @@ def snapshot(interval: float = 1.0) -> dict[str, Any]:
             "busy": _busy(t0, t1, interval) if t0 is not None else None}
 
 
+def settle_seconds() -> float:
+    """How long `MachineWatch.start` may wait for a load average left by finished work to decay
+    (REDRAFTER_SETTLE_S, default 90; 0 = never wait)."""
+    try:
+        return max(0.0, float(os.environ.get("REDRAFTER_SETTLE_S", "90")))
+    except ValueError:
+        return 90.0
+
+
 class MachineWatch:
     """Records the machine state before and after a measurement and other processes' CPU use during it."""
 
-    def __init__(self, interval: float = 1.0):
+    def __init__(self, interval: float = 1.0, settle: float | None = None):
         self.interval = interval
         self.cores = os.cpu_count() or 1
+        self.settle = settle_seconds() if settle is None else settle
 
     def start(self) -> None:
-        """Take the 'before' sample; the measurement starts now."""
-        self.before = snapshot(self.interval)
-        self.before["own_cores"] = round(_own_cores_so_far(), 2)
+        """Take the 'before' sample; the measurement starts now. When the only sign of load is a load average
+        left by work that has finished (no other process busy now), wait up to `settle` seconds for it to decay
+        (the 1-minute average lags by about a minute), so that back-to-back runs do not flag each other."""
+        waited, t_start = 0.0, time.perf_counter()
+        while True:
+            self.before = snapshot(self.interval)
+            self.before["own_cores"] = round(_own_cores_so_far(), 2)
+            reasons = busy_reasons({"cores": self.cores, "before": self.before, "during": {}, "after": {}})
+            waited = time.perf_counter() - t_start
+            if not reasons or self.before.get("busy") or waited >= self.settle:
+                break
+            time.sleep(5.0)
+        self.before["settled_s"] = round(waited, 1)
         self.t0, self.cpu0, self.ticks0 = time.perf_counter(), time.process_time(), _proc_times()
 
     def stop(self, warn: bool = True) -> dict[str, Any]:
