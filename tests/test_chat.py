@@ -3,6 +3,7 @@ overflow on the embedded model (greedy, short answers)."""
 
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -102,7 +103,10 @@ def test_chat_in_a_terminal(target, tmp_path):
 
 def test_ctrl_c_at_the_prompt_quits(tmp_path):
     env = dict(os.environ, MKL_NUM_THREADS="1", REDRAFTER_TUNED_FILE=str(tmp_path / "none.json"))
-    child = pexpect.spawn(CLI, ["chat", "--no-draft"], env=env, encoding="utf-8", timeout=60)
+    # A shell that runs a job in the background hands it SIGINT ignored, and Python then keeps it ignored: give
+    # the chat the disposition a terminal user's shell gives it, wherever the suite runs.
+    child = pexpect.spawn(CLI, ["chat", "--no-draft"], env=env, encoding="utf-8", timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.expect_exact(">>> ")
     child.sendintr()
     child.expect(pexpect.EOF)
