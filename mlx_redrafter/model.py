@@ -93,9 +93,15 @@ def _silu_mul_cpu(g: mx.array, u: mx.array) -> mx.array:
 
 
 @partial(mx.compile, shapeless=True)
-def _softmax_cpu(x: mx.array) -> mx.array:
+def _softmax_cpu_compiled(x: mx.array) -> mx.array:
     e = mx.power(2.0, LOG2E * (x - mx.max(x, axis=-1, keepdims=True)))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def _softmax_cpu(x: mx.array) -> mx.array:
+    """Softmax over the last axis with exp as a power of two (see silu_mul). A size-1 axis (one visible key)
+    gives 1: MLX's shapeless compile crashes on it."""
+    return _softmax_cpu_compiled(x) if x.shape[-1] > 1 else mx.ones_like(x)
 
 
 def silu_mul(g: mx.array, u: mx.array) -> mx.array:
@@ -121,9 +127,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     scores = (q * scale).reshape(B, h_kv, r * N, D) @ k.swapaxes(-1, -2)  # (B, h_kv, r*N, S): rows (head, n)
     if mask is not None:
         scores = mx.where(mx.tile(mask, (1, 1, r, 1)) if r > 1 else mask, scores, -mx.inf)
-    # One visible key (a one-token prompt): its weight is 1. (MLX's shapeless compile crashes on a size-1 axis.)
-    probs = _softmax_cpu(scores) if scores.shape[-1] > 1 else mx.ones_like(scores)
-    return (probs @ v).reshape(B, h, N, D)
+    return (_softmax_cpu(scores) @ v).reshape(B, h, N, D)
 
 
 class FusedLinear:
@@ -133,10 +137,9 @@ class FusedLinear:
     replaced later (new weights loaded, a dtype change), `current()` turns False and callers use the layers."""
 
     def __init__(self, layers: list[nn.Linear]):
-        biased = ["bias" in layer for layer in layers]
         self.layers = layers
         self.weight = mx.concatenate([layer.weight for layer in layers])  # (sum of outputs, in)
-        self.bias = mx.concatenate([layer.bias for layer in layers]) if all(biased) else None
+        self.bias = mx.concatenate([layer.bias for layer in layers]) if "bias" in layers[0] else None
         mx.eval(self.weight, *([] if self.bias is None else [self.bias]))
         sizes = [layer.weight.shape[0] for layer in layers]
         self.splits = list(np.cumsum(sizes)[:-1])

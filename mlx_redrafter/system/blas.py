@@ -92,12 +92,17 @@ def load_optimized_blas() -> str | None:
             except OSError:
                 continue
             _loaded = os.path.basename(path)
-            if _small is not None:  # its fallback for every other product: this BLAS
-                real = ctypes.cast(_handle.cblas_sgemm, ctypes.c_void_p).value
-                _small.redrafter_gemm_init(ctypes.c_void_p(real), ctypes.c_int(_env_threads()))
+            _small_falls_back_to(_handle)
             return _loaded
     _bundled_fallback()
     return None
+
+
+def _small_falls_back_to(blas: ctypes.CDLL) -> None:
+    """Hand the small-GEMM library (if loaded) the BLAS it passes every other product to."""
+    if _small is not None:
+        real = ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p).value
+        _small.redrafter_gemm_init(ctypes.c_void_p(real), ctypes.c_int(_env_threads()))
 
 
 def _bundled_fallback() -> None:
@@ -112,11 +117,9 @@ def _bundled_fallback() -> None:
     for root in roots:
         for path in sorted(glob.glob(os.path.join(os.path.dirname(root), "mlx*.libs", "libblas*.so*"))):
             try:
-                lib = ctypes.CDLL(path)  # RTLD_LOCAL: MLX's own copy keeps serving MLX
+                _small_falls_back_to(ctypes.CDLL(path))  # RTLD_LOCAL: MLX's own copy keeps serving MLX
             except OSError:
                 continue
-            real = ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value
-            _small.redrafter_gemm_init(ctypes.c_void_p(real), ctypes.c_int(_env_threads()))
             return
 
 
