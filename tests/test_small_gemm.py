@@ -1,6 +1,10 @@
 """The small-GEMM path (x86-64 with AVX-512 or AVX2 + FMA): right products, the same bits whatever the number
 of rows, and the BLAS for everything else."""
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -58,3 +62,15 @@ def test_a_decode_step_uses_it(target):
     sum(generate_ar(target.model, ids, max_tokens=3), [])
     # each one-token step: 4 products per layer (q/k/v and gate/up fused at load, o, down) + the vocabulary
     assert small_gemm_calls()[0] - before >= 2 * (4 * target.model.args.num_hidden_layers + 1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload exists only on Linux")
+def test_importing_mlx_first_warns_in_one_line():
+    def stderr(code: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "REDRAFTER_BLAS"}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stderr
+
+    late = stderr("import mlx.core, mlx_redrafter").splitlines()
+    assert len(late) == 1 and "mlx.core was imported before mlx_redrafter" in late[0], late
+    assert "import mlx_redrafter first" in late[0]
+    assert stderr("import mlx_redrafter, mlx.core") == ""

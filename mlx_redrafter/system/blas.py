@@ -75,8 +75,10 @@ def load_optimized_blas() -> str | None:
     choice = os.environ.get("REDRAFTER_BLAS", "auto").lower()
     if choice in ("off", "0", "none", "false") or platform.system() != "Linux":
         return None
-    if "mlx.core" in sys.modules:
-        # Too late: MLX's BLAS symbols are already bound.
+    if "mlx.core" in sys.modules:  # too late: MLX's BLAS symbols are already bound
+        sys.stderr.write("redrafter-mlx: warning: mlx.core was imported before mlx_redrafter, so MLX keeps the "
+                         "reference BLAS of its Linux wheel (decoding runs 3-15x slower); import mlx_redrafter "
+                         "first (REDRAFTER_BLAS=off silences this)\n")
         return None
     _load_small_gemm()
     order = {"auto": ["mkl", "openblas"], "mkl": ["mkl"], "openblas": ["openblas"]}.get(choice, [])
