@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.defaults import BENCH_GRID, WARMUP_TOKENS
+from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, WARMUP_TOKENS
 from mlx_redrafter.errors import UserError
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -28,6 +28,7 @@ class BenchSpec:
     accepts: list[str] = field(default_factory=lambda: ["exact"])  # acceptance rules measured at T > 0
     widths: list[int] = field(default_factory=lambda: list(BENCH_GRID["widths"]))
     lengths: list[int] = field(default_factory=lambda: list(BENCH_GRID["lengths"]))
+    answers_widths: list[int] = field(default_factory=lambda: [DEFAULT_ANSWERS_WIDTH])  # per lookup cell
     max_tokens: int = BENCH_GRID["max_tokens"]
     num_prompts: int = BENCH_GRID["num_prompts"]
     prompts_file: Path | None = None
@@ -72,7 +73,8 @@ def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
     configs = []
     for s in samplings(spec.temperatures, spec.accepts):
         names = {c.name for c in configs}  # AR at T runs once, whatever the rules compared at T
-        configs += [c for c in sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s)
+        configs += [c for c in sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s,
+                                                      answers_widths=tuple(spec.answers_widths))
                     if c.name not in names]
     if spec.mlx_lm:
         from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs

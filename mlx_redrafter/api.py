@@ -10,16 +10,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import mlx.core as mx
 
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
+from mlx_redrafter.defaults import DEFAULT_ANSWERS_WIDTH, DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
 from mlx_redrafter.draft.kinds import NAMES as KIND_NAMES
 from mlx_redrafter.draft.kinds import AnyDrafter, draft_kind, load_any_drafter
-from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.draft.lookup import AnswerIndex, AnswerTable, NgramIndex, SuffixIndex
 from mlx_redrafter.draft.medusa import MedusaSource
 from mlx_redrafter.draft.medusa_trees import DEFAULT_TREE, parse_tree
 from mlx_redrafter.draft.redrafter import Drafter, check_compatible, dequantize_drafter, random_drafter
@@ -61,6 +61,7 @@ class DecodeOptions:
     beam_width: int = DEFAULT_BEAM_WIDTH  # W: candidates of the recurrent drafter
     beam_length: int = DEFAULT_BEAM_LENGTH  # L: candidate length, first (already decided) token included
     lookup_width: int = DEFAULT_LOOKUP_WIDTH  # candidates copied from the context
+    answers_width: int = DEFAULT_ANSWERS_WIDTH  # with lookup: candidates copied from the model's answer table
     lookup: str = "ngram"  # lookup index: ngram (prompt lookup) or suffix (suffix automaton)
     max_tokens: int = 256
     sampling: Sampling = GREEDY
@@ -82,6 +83,8 @@ class DecodeOptions:
                                 f"(got {self.beam_length})")
             if self.lookup_width < 1:
                 raise UserError(f"--lookup-width must be >= 1 (got {self.lookup_width})")
+            if self.answers_width < 0:
+                raise UserError(f"--answers-width must be >= 0 (0 = off; got {self.answers_width})")
 
 
 @dataclass
@@ -92,12 +95,17 @@ class Result:
     settings: dict = field(default_factory=dict)
 
 
-def shipped_drafter_path(model_name: str) -> Path | None:
-    """The drafter shipped in the package for a model (its registry entry's drafter, else its own name)."""
+def shipped_folder(model_name: str) -> Path:
+    """Where the package ships a model's drafter and answer table (its registry entry's drafter, else its name)."""
     from mlx_redrafter.models.registry import get
 
     entry = get(model_name)
-    p = SHIPPED_DRAFTERS / (entry.drafter if entry is not None and entry.drafter else model_name)
+    return SHIPPED_DRAFTERS / (entry.drafter if entry is not None and entry.drafter else model_name)
+
+
+def shipped_drafter_path(model_name: str) -> Path | None:
+    """The drafter shipped in the package for a model, or None."""
+    p = shipped_folder(model_name)
     return p if (p / "config.json").exists() else None
 
 
@@ -149,6 +157,17 @@ def resolve_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None
                   f"(a float32 target on a CPU backend, where quantized matmuls are slow)")
         drafter = dequantize_drafter(drafter)
     return drafter, name
+
+
+def answer_table(target: Target) -> AnswerTable | None:
+    """The answer table shipped for this model (answers.npz beside its drafter), or None."""
+    path = shipped_folder(target.name) / "answers.npz"
+    return _load_answer_table(path) if path.exists() else None
+
+
+@cache
+def _load_answer_table(path: Path) -> AnswerTable:
+    return AnswerTable.load(path)
 
 
 _said: set[str] = set()
@@ -217,6 +236,9 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
         slots.append(Slot(SemiARSource(runner.drafter, runner.target.model.embed), options.beam_width))
     if "lookup" in mode:
         slots.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup]), options.lookup_width))
+        table = answer_table(runner.target) if options.answers_width > 0 else None
+        if table is not None:
+            slots.append(Slot(LookupSource(partial(AnswerIndex, table), "answers"), options.answers_width))
     return Allocator(slots, adaptive=options.adaptive)
 
 
@@ -265,6 +287,7 @@ def settings(runner: Runner, options: DecodeOptions) -> dict:
         "beam_length": options.beam_length if mode != "none" else 0,
         "lookup_width": options.lookup_width if "lookup" in mode else 0,
         "lookup": options.lookup if "lookup" in mode else "none",
+        "answers_width": options.answers_width if "lookup" in mode and answer_table(runner.target) else 0,
         **options.sampling.as_dict(), "device": str(mx.default_device()),
     }
 

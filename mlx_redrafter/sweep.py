@@ -21,6 +21,7 @@ from typing import Any
 from mlx_redrafter.api import DRAFT_MODES, HEAD_MODES, DecodeOptions, Runner, encode_prompt, settings
 from mlx_redrafter.api import decode as api_decode
 from mlx_redrafter.defaults import (
+    DEFAULT_ANSWERS_WIDTH,
     DEFAULT_LOOKUP_WIDTH,
     SWEEP_DRAFTS,
     TUNE_MIN_SPEEDUP,
@@ -62,20 +63,25 @@ def config_name(draft: str, width: int = 0, length: int = 0, sampling: Sampling 
 
 
 def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_tokens: int,
-                 sampling: Sampling = GREEDY, lookup_width: int = DEFAULT_LOOKUP_WIDTH) -> list[Config]:
+                 sampling: Sampling = GREEDY, lookup_width: int = DEFAULT_LOOKUP_WIDTH,
+                 answers_widths: tuple[int, ...] = (DEFAULT_ANSWERS_WIDTH,)) -> list[Config]:
     """AR plus every draft mode x width x length. The width is W for 'rnn', 'rnn+lookup' (whose lookup width
     stays `lookup_width`) and 'semi_ar', the lookup width for 'lookup', and the number of nodes of Medusa's
-    tree (the first W nodes of mc_sim_7b_63) for 'medusa'."""
+    tree (the first W nodes of mc_sim_7b_63) for 'medusa'. Modes with lookup run once per answer-table width
+    (names get '-aK' where K is not the default)."""
     base = DecodeOptions(draft="none", max_tokens=max_tokens, sampling=sampling)
     configs = [Config(config_name("none", sampling=sampling), base)]
     for draft in drafts:
         for w in widths:
             for length in lengths:
-                opts = replace(base, draft=draft, beam_width=w if "rnn" in draft or draft == "semi_ar" else 1,
-                               beam_length=length, lookup_width=w if draft == "lookup" else lookup_width,
-                               medusa_tree=f"mc_sim_7b_63:{w}" if draft == "medusa" else base.medusa_tree)
-                opts.check()
-                configs.append(Config(config_name(draft, w, length, sampling), opts))
+                for a in answers_widths if "lookup" in draft else (DEFAULT_ANSWERS_WIDTH,):
+                    opts = replace(base, draft=draft, beam_width=w if "rnn" in draft or draft == "semi_ar" else 1,
+                                   beam_length=length, lookup_width=w if draft == "lookup" else lookup_width,
+                                   answers_width=a,
+                                   medusa_tree=f"mc_sim_7b_63:{w}" if draft == "medusa" else base.medusa_tree)
+                    opts.check()
+                    suffix = f"-a{a}" if a != DEFAULT_ANSWERS_WIDTH else ""
+                    configs.append(Config(config_name(draft, w, length, sampling) + suffix, opts))
     return configs
 
 
@@ -256,6 +262,7 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
     rec = {k: rs[0][k] for k in ("config", "decoder", "model", "dtype", "draft", "drafter", "beam_width",
                                  "beam_length", "lookup_width", "lookup", "temperature")}
     rec["medusa_tree"] = rs[0].get("medusa_tree", "")
+    rec["answers_width"] = rs[0].get("answers_width", 0)
     rec["accept"] = rs[0].get("accept", "greedy")  # greedy, exact or typical
     rec.update({
         "prompts": len(rs), "tokens_per_step": _mean([r["tokens_per_step"] for r in rs]),

@@ -74,6 +74,18 @@ def test_rnn_plus_lookup_equals_autoregressive(target, prompts, ar_outputs, draf
     assert set(stats.source_proposed) == {"rnn", "lookup"}
 
 
+def test_lookup_with_the_answer_table_equals_autoregressive(target, prompts, ar_outputs):
+    from mlx_redrafter.api import answer_table
+    from mlx_redrafter.draft.lookup import AnswerIndex
+
+    table = answer_table(target)
+    assert table is not None, "the answer table of the default model is missing from mlx_redrafter/drafters/"
+    stats = check(target, prompts, ar_outputs,
+                  lambda: Allocator([Slot(LookupSource(NgramIndex), 1),
+                                     Slot(LookupSource(lambda: AnswerIndex(table), "answers"), 2)]), 5)
+    assert stats.source_proposed["answers"] > 0
+
+
 @pytest.fixture(scope="module")
 def shipped(target):
     from mlx_redrafter.api import resolve_drafter

@@ -45,3 +45,19 @@ def test_lookup_finds_nothing_in_new_text():
     for idx in (NgramIndex(), SuffixIndex()):
         idx.extend([1, 2, 3, 4])
         assert idx.candidates(4, 2) == []
+
+
+def test_answer_table_copies_the_most_frequent_continuation():
+    from mlx_redrafter.draft.lookup import AnswerIndex, AnswerTable
+
+    # three answers (-1 ends each): after (1, 2) comes 3 4 5 twice and 3 9 once; 7 follows (2,) once
+    table = AnswerTable(np.array([1, 2, 3, 4, 5, -1, 8, 1, 2, 3, 4, 5, 6, -1, 1, 2, 3, 9, -1, 2, 7, -1]))
+    idx = AnswerIndex(table)
+    idx.extend([50, 1, 2])
+    assert idx.candidates(4, 1) == [[3, 4, 5, 6]]  # the agreeing occurrences decide each next token
+    assert idx.candidates(2, 2) == [[3, 4]]  # one distinct first token: one candidate
+    idx.extend([3, 9])  # (3, 9) ends an answer: nothing follows it there; (9,) alone is shorter than min_n
+    assert idx.candidates(3, 2) == []
+    idx.extend([60, 2, 7])  # (2, 7) is followed by the end of an answer
+    assert idx.candidates(3, 1) == []
+    assert AnswerIndex(table).candidates(3, 1) == []  # an empty context

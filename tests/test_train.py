@@ -147,3 +147,24 @@ def test_shipped_drafter_loads(target):
     drafter, name = resolve_drafter("default", target)
     assert drafter is not None and name == f"shipped:{target.name}"
     assert drafter.lm_head[-1].weight.dtype == target.model.dtype
+
+
+def test_answer_table_holds_the_train_split_answers(target, corpus_dirs, tmp_path):
+    from mlx_redrafter.draft.lookup import AnswerTable
+
+    corpus_dir, _ = corpus_dirs
+    out = tmp_path / "answers.npz"
+    res = CliRunner().invoke(app, ["answers", "--corpus", str(corpus_dir.parent), "--model", corpus_dir.name,
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    corpus = Corpus(corpus_dir)
+    want = []
+    for path in corpus.shards("train"):
+        shard = load_shard(path)
+        for i in range(shard.num_sequences):
+            want += [*shard.sequence(i)[int(shard.prompt_len[i]):].tolist(), -1]
+    table = AnswerTable.load(out)
+    assert table.tokens[: len(want)].tolist() == want and table.meta["sequences"] == want.count(-1)
+    assert set(table.meta["shards"]) == {p.name for p in corpus.shards("train")}  # the held-out shard stays out
+    res = CliRunner().invoke(app, ["answers", "--corpus", str(tmp_path / "none"), "--out", str(out)])
+    assert res.exit_code != 0 and "no corpus at" in res.output

@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from mlx_redrafter.defaults import DEFAULT_ANSWERS_WIDTH
 from mlx_redrafter.errors import UserError
 
 MODEL_HELP = ("Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded "
@@ -83,6 +84,9 @@ BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the 
 BeamLength = typer.Option(None, "--beam-length", "-l",
                           help="L: candidate length incl. the first token \\[tuned, else 3].")
 LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context \\[tuned, else 1].")
+AnswersWidth = typer.Option(DEFAULT_ANSWERS_WIDTH, "--answers-width",
+                            help="With lookup: candidates copied from the model's own answers to other prompts "
+                                 "(where a table is shipped; 0 = off) \\[0].")
 Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), "
                                                 "suffix (suffix automaton), suffix2 (matches of >= 2 tokens).")
 Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")

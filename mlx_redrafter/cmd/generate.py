@@ -25,6 +25,7 @@ def generate(
     beam_length: int | None = c.BeamLength,
     lookup_width: int | None = c.LookupWidth,
     lookup: str = c.Lookup,
+    answers_width: int = c.AnswersWidth,
     medusa_tree: str | None = c.MedusaTree,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most new tokens per prompt."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
@@ -43,7 +44,7 @@ def generate(
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
     sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
-    base = api.DecodeOptions(lookup=lookup, max_tokens=max_tokens, sampling=sampling)
+    base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, max_tokens=max_tokens, sampling=sampling)
     res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width,
                                                          medusa_tree),
                          dtype, base)

@@ -58,6 +58,28 @@ def distill(
 
 
 @c.one_line_errors
+def answers(
+    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (CORPUS/<model>/ from `distill`)."),
+    model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
+    out: Path | None = typer.Option(None, help="Output file \\[the model's shipped drafter folder: answers.npz]."),
+) -> None:
+    """Write the answer table that lookup drafting copies from: the target's answers in the corpus's train split."""
+    from mlx_redrafter.api import shipped_folder
+    from mlx_redrafter.draft.lookup import AnswerTable
+    from mlx_redrafter.files import write_atomic
+    from mlx_redrafter.models.loader import DEFAULT_MODEL
+    from mlx_redrafter.train.corpus import Corpus, answer_table_bytes
+
+    name = model or DEFAULT_MODEL
+    root = corpus / name
+    if not (root / "manifest.json").exists():
+        raise UserError(f"no corpus at {root}: grow one with `make distill` (or pass --corpus)")
+    path = write_atomic(out or shipped_folder(name) / "answers.npz", answer_table_bytes(Corpus(root)))
+    table = AnswerTable.load(path)
+    typer.echo(f"wrote {path}: {table.meta['sequences']} answers, {table.num_tokens} tokens")
+
+
+@c.one_line_errors
 def train(
     corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (CORPUS/<model>/ from `distill`)."),
     features: Path = typer.Option(DEFAULT_FEATURES, help="Derived-data cache (hidden states; rebuilt on demand)."),

@@ -1,14 +1,25 @@
-"""Lookup drafting: continuations copied from earlier in the context (prompt + everything generated so far).
+"""Lookup drafting: continuations copied from earlier in the context (prompt + everything generated so far),
+or from the target's own answers to other prompts.
 
-Two indices, both updated incrementally as tokens are decided (O(1) amortised per token, host-side ints):
+Two context indices, both updated incrementally as tokens are decided (O(1) amortised per token, host-side ints):
 - `NgramIndex`: prompt lookup. The last n tokens (n = max_n .. min_n) are looked up among earlier n-grams;
   the tokens that followed their most recent occurrences are the candidates.
 - `SuffixIndex`: a suffix automaton. It finds the longest earlier occurrence of any suffix of the context
   (no n limit), then shorter ones along its suffix links; each gives one candidate (what followed it).
 Both return distinct continuations, longest match first.
+
+`AnswerTable` is a fixed table of the target's greedy answers to training prompts (shipped beside a model's
+drafter as answers.npz, built by `redrafter-mlx answers`); `AnswerIndex` is one decode's view of it. A small
+model reuses its own phrasing across answers, so what followed the context's last n tokens there is often
+what it writes next here, where the context has nothing to copy.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
 
 
 class NgramIndex:
@@ -101,3 +112,99 @@ class SuffixIndex:
                 out.append(list(cont))
             v = self.link[v]
         return out
+
+
+_MUL = np.uint64(0x9E3779B97F4A7C15)  # multiplier of the n-gram hash (odd: a bijection per step)
+
+
+def _ngram_keys(tokens: np.ndarray, n: int) -> np.ndarray:
+    """keys[i] = hash of tokens[i : i + n] (uint64; the same hash as `_key`)."""
+    t = tokens.astype(np.uint64) + np.uint64(1)
+    keys = np.zeros(len(tokens) - n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            keys = keys * _MUL + t[j : len(tokens) - n + 1 + j]
+    return keys
+
+
+def _key(ngram: list[int]) -> np.uint64:
+    h = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for t in ngram:
+            h = h * _MUL + np.uint64(t + 1)
+    return h
+
+
+class AnswerTable:
+    """n-gram (n = max_n .. min_n) -> where it occurs in a fixed corpus of answers; read-only, shared by decodes.
+
+    `tokens`: the answers concatenated, each followed by -1. Candidates for a context: at its longest last
+    n-gram found in the corpus, up to `width` continuations, one per most frequent next token, each extended
+    by the most frequent next token among the occurrences that agree so far and go on. (A hash collision only
+    costs a wasted draft: the target verifies every draft.)
+    """
+
+    def __init__(self, tokens: np.ndarray, max_n: int = 4, min_n: int = 2, max_hits: int = 512,
+                 meta: dict | None = None):
+        self.max_n, self.min_n, self.max_hits, self.meta = max_n, min_n, max_hits, meta or {}
+        self.tokens = np.concatenate([np.asarray(tokens, dtype=np.int32), [-1]])
+        gap = self.tokens < 0
+        self.tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for n in range(min_n, max_n + 1):
+            keys = _ngram_keys(self.tokens, n)
+            bad = np.zeros(len(keys), dtype=bool)
+            for j in range(n + 1):  # a gap inside the n-gram or right after it (nothing to copy)
+                bad[: len(keys) - (j == n)] |= gap[j : j + len(keys) - (j == n)]
+            ends = np.flatnonzero(~bad) + n - 1  # position of each kept n-gram's last token
+            order = np.argsort(keys[~bad], kind="stable")
+            self.tables[n] = (keys[~bad][order], ends[order])
+
+    @classmethod
+    def load(cls, path: str | Path) -> AnswerTable:
+        z = np.load(path)
+        return cls(z["tokens"], meta=json.loads(str(z["meta"])) if "meta" in z.files else None)
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.tokens >= 0).sum())
+
+    def candidates(self, context: list[int], max_len: int, width: int) -> list[list[int]]:
+        """Up to `width` distinct continuations (1..max_len tokens) of the context's longest known last n-gram."""
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            keys, ends = self.tables[n]
+            k = _key(context[-n:])
+            lo, hi = int(np.searchsorted(keys, k, "left")), int(np.searchsorted(keys, k, "right"))
+            if hi == lo:
+                continue
+            hits = ends[lo : min(hi, lo + self.max_hits)]
+            at = np.minimum(hits[:, None] + 1 + np.arange(max_len)[None, :], len(self.tokens) - 1)
+            follow = self.tokens[at]  # (hits, max_len); -1: the answer ended
+            firsts, counts = np.unique(follow[:, 0], return_counts=True)
+            out = []
+            for first in firsts[np.argsort(-counts, kind="stable")][:width]:
+                rows, cand = follow[follow[:, 0] == first], [int(first)]
+                for d in range(1, max_len):
+                    rows = rows[rows[:, d] >= 0]  # occurrences whose answer goes on
+                    if not len(rows):
+                        break
+                    vals, cnt = np.unique(rows[:, d], return_counts=True)
+                    best = vals[np.argmax(cnt)]
+                    cand.append(int(best))
+                    rows = rows[rows[:, d] == best]
+                out.append(cand)
+            return out
+        return []
+
+
+class AnswerIndex:
+    """One decode's view of an `AnswerTable`, with the interface of the context indices."""
+
+    def __init__(self, table: AnswerTable):
+        self.table = table
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens = (self.tokens + list(tokens))[-self.table.max_n :]
+
+    def candidates(self, max_len: int, width: int) -> list[list[int]]:
+        return self.table.candidates(self.tokens, max_len, width)

@@ -18,6 +18,7 @@ it, is reported in one line and regenerated.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import random
@@ -338,6 +339,25 @@ class Corpus:
 
     def save(self) -> None:
         write_atomic(self.manifest_path, json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
+
+
+def answer_table_bytes(corpus: Corpus) -> bytes:
+    """answers.npz for `draft.lookup.AnswerTable`: the response tokens of every train-split sequence, each
+    followed by -1 (the held-out shard stays out, so evaluations on it stay fair)."""
+    parts, sequences = [], 0
+    for path in corpus.shards("train"):
+        shard = load_shard(path)
+        for i in range(shard.num_sequences):
+            parts += [shard.sequence(i)[int(shard.prompt_len[i]) :], np.array([-1])]
+            sequences += 1
+    if not parts:
+        raise UserError(f"{corpus.root} has no train shards: grow it first with `make distill`")
+    meta = {"corpus": str(corpus.root.name), "sequences": sequences,
+            "fingerprint": corpus.manifest.get("target_fingerprint"),
+            "shards": {p.name: corpus.entries[p.name]["sha256"] for p in corpus.shards("train")}}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, tokens=np.concatenate(parts).astype(np.int32), meta=np.array(json.dumps(meta)))
+    return buf.getvalue()
 
 
 def follow_up_suffix(target: Target, text: str) -> list[int]:
