@@ -61,7 +61,7 @@ class DecodeOptions:
     beam_width: int = DEFAULT_BEAM_WIDTH  # W: candidates of the recurrent drafter
     beam_length: int = DEFAULT_BEAM_LENGTH  # L: candidate length, first (already decided) token included
     lookup_width: int = DEFAULT_LOOKUP_WIDTH  # candidates copied from the context
-    answers_width: int = DEFAULT_ANSWERS_WIDTH  # with lookup: candidates copied from the model's answer table
+    answers_width: int = DEFAULT_ANSWERS_WIDTH  # with lookup: from the answer table where the context has none
     lookup: str = "ngram"  # lookup index: ngram (prompt lookup) or suffix (suffix automaton)
     max_tokens: int = 256
     sampling: Sampling = GREEDY
@@ -238,7 +238,8 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
         slots.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup]), options.lookup_width))
         table = answer_table(runner.target) if options.answers_width > 0 else None
         if table is not None:
-            slots.append(Slot(LookupSource(partial(AnswerIndex, table), "answers"), options.answers_width))
+            slots.append(Slot(LookupSource(partial(AnswerIndex, table), "answers"), options.answers_width,
+                              backs_up="lookup"))
     return Allocator(slots, adaptive=options.adaptive)
 
 

@@ -94,10 +94,24 @@ class LookupSource:
 
 @dataclass
 class Slot:
-    """One source in a step's plan and how many candidates it may propose."""
+    """One source in a step's plan and how many candidates it may propose; a slot that `backs_up` another source
+    proposes only in steps where that source proposed nothing (e.g. the answer table behind context lookup)."""
 
     source: DraftSource
     width: int
+    backs_up: str | None = None
+
+
+def propose(plan: list[Slot], state: DecodeState, length: int) -> list[tuple[str, mx.array]]:
+    """(source name, candidates (n, L)) of every slot that proposes this step, in plan order."""
+    out: list[tuple[str, mx.array]] = []
+    for slot in plan:
+        if slot.width <= 0 or any(name == slot.backs_up for name, _ in out):
+            continue
+        c = slot.source.propose(state, length, slot.width)
+        if c is not None:
+            out.append((slot.source.name, c))
+    return out
 
 
 class Allocator:

@@ -18,7 +18,7 @@ from mlx_redrafter.accept import accept
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
-from mlx_redrafter.sources import DecodeState, Slot
+from mlx_redrafter.sources import DecodeState, Slot, propose
 from mlx_redrafter.tree import PAD, pack, verify_mask
 
 PHASES = ("draft", "pack", "verify", "accept", "commit")
@@ -66,12 +66,8 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     stops: an honest split, at the price of a slower step.
     """
     clock = _Clock(profile)
-    parts, names = [], []
-    for slot in plan:  # draft
-        c = slot.source.propose(state, length, slot.width) if slot.width > 0 else None
-        if c is not None:
-            parts.append(c)
-            names.append((slot.source.name, c.shape[0]))
+    proposals = propose(plan, state, length)  # draft
+    parts, names = [c for _, c in proposals], [(name, c.shape[0]) for name, c in proposals]
     if not parts:  # nothing to propose: verify g0 alone (an autoregressive step)
         parts = [mx.concatenate([state.g0.astype(mx.int32), mx.full((length - 1,), PAD, dtype=mx.int32)])[None]]
     cands = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

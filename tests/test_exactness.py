@@ -82,7 +82,8 @@ def test_lookup_with_the_answer_table_equals_autoregressive(target, prompts, ar_
     assert table is not None, "the answer table of the default model is missing from mlx_redrafter/drafters/"
     stats = check(target, prompts, ar_outputs,
                   lambda: Allocator([Slot(LookupSource(NgramIndex), 1),
-                                     Slot(LookupSource(lambda: AnswerIndex(table), "answers"), 2)]), 5)
+                                     Slot(LookupSource(lambda: AnswerIndex(table), "answers"), 2,
+                                          backs_up="lookup")]), 5)
     assert stats.source_proposed["answers"] > 0
 
 

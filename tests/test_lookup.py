@@ -61,3 +61,23 @@ def test_answer_table_copies_the_most_frequent_continuation():
     idx.extend([60, 2, 7])  # (2, 7) is followed by the end of an answer
     assert idx.candidates(3, 1) == []
     assert AnswerIndex(table).candidates(3, 1) == []  # an empty context
+
+
+def test_a_backup_source_proposes_only_when_the_one_it_backs_up_has_nothing():
+    import mlx.core as mx
+
+    from mlx_redrafter.draft.lookup import AnswerIndex, AnswerTable
+    from mlx_redrafter.sources import DecodeState, LookupSource, Slot, propose
+
+    table = AnswerTable(np.array([7, 8, 9, 10, -1]))
+    plan = [Slot(LookupSource(NgramIndex), 1), Slot(LookupSource(lambda: AnswerIndex(table), "answers"), 1,
+                                                     backs_up="lookup")]
+
+    def names(tokens):
+        state = DecodeState(tokens=tokens, g0=mx.array([tokens[-1]]), h=mx.zeros((1, 4)))
+        for slot in plan:
+            slot.source.start(tokens)
+        return [name for name, _ in propose(plan, state, 3)]
+
+    assert names([1, 7, 8, 2, 7, 8]) == ["lookup"]  # the context repeats (7, 8): the table stays silent
+    assert names([1, 2, 3, 7, 8]) == ["answers"]  # nothing to copy from the context: the table proposes

@@ -86,7 +86,8 @@ BeamLength = typer.Option(None, "--beam-length", "-l",
 LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context \\[tuned, else 1].")
 AnswersWidth = typer.Option(DEFAULT_ANSWERS_WIDTH, "--answers-width",
                             help="With lookup: candidates copied from the model's own answers to other prompts "
-                                 "(where a table is shipped; 0 = off) \\[0].")
+                                 "in steps where the context has nothing to copy (where a table is shipped; "
+                                 "0 = off) \\[0].")
 Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), "
                                                 "suffix (suffix automaton), suffix2 (matches of >= 2 tokens).")
 Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")

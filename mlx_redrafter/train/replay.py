@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlx_redrafter.sources import Allocator, DecodeState
+from mlx_redrafter.sources import Allocator, DecodeState, propose
 from mlx_redrafter.train.corpus import Shard
 
 
@@ -57,10 +57,7 @@ def replay_sequence(tokens: np.ndarray, prompt_len: int, hidden: np.ndarray, mak
         runs: dict[str, int] = {}
         best = 0
         truth = x[p + 2 : end]
-        for slot in alloc.plan():
-            c = slot.source.propose(state, length, slot.width) if slot.width > 0 else None
-            if c is None:
-                continue
+        for name, c in propose(alloc.plan(), state, length):
             cands = np.array(c)
             stats.verified += int((cands >= 0).sum())
             run = 0
@@ -69,7 +66,7 @@ def replay_sequence(tokens: np.ndarray, prompt_len: int, hidden: np.ndarray, mak
                 while k < length - 1 and k < len(truth) and row[k + 1] == truth[k]:
                     k += 1
                 run = max(run, k)
-            runs[slot.source.name] = max(runs.get(slot.source.name, 0), run)
+            runs[name] = max(runs.get(name, 0), run)
             best = max(best, run)
         alloc.update(runs)
         stats.source_runs.update(runs)
