@@ -12,7 +12,8 @@ import time
 import pytest
 from exactness import ar_tokens, divergence, speculative_tokens
 
-from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
+from mlx_redrafter.api import answer_table
+from mlx_redrafter.draft.lookup import AnswerIndex, NgramIndex, SuffixIndex
 from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 
@@ -26,6 +27,7 @@ def test_random_cases_never_diverge(target, chat_ids):
     extra = [tok.encode_chat([{"role": "user", "content": p}]) for p in (
         "Repeat after me: one two three one two three one two three.", "Say hello.", "List the numbers 1 to 20.")]
     prompts = chat_ids + extra
+    table = answer_table(target)
     drafters: dict = {}
     ar_cache: dict = {}
     ties = failures = 0
@@ -43,6 +45,9 @@ def test_random_cases_never_diverge(target, chat_ids):
         slots = [] if rng.random() < 0.15 and K else [Slot(RnnSource(drafter, model.embed), W)]
         if K:
             slots.append(Slot(LookupSource(index), K))
+            if rng.random() < 0.5:  # the answer table, backing up context lookup
+                slots.append(Slot(LookupSource(lambda: AnswerIndex(table), "answers"), rng.choice([1, 2]),
+                                  backs_up="lookup"))
         alloc = Allocator(slots, adaptive=rng.random() < 0.5)
         key = (p_idx, n_tok)
         if key not in ar_cache:
