@@ -11,7 +11,7 @@ Both return distinct continuations, longest match first.
 `AnswerTable` is a fixed table of the target's greedy answers to training prompts (shipped beside a model's
 drafter as answers.npz, built by `redrafter-mlx answers`); `AnswerIndex` is one decode's view of it. A small
 model reuses its own phrasing across answers, so what followed the context's last n tokens there is often
-what it writes next here, where the context has nothing to copy.
+what it writes next here; it backs up context lookup (it proposes in steps where the context has nothing to copy).
 """
 
 from __future__ import annotations
