@@ -65,7 +65,6 @@ def answers(
 ) -> None:
     """Write the answer table that lookup drafting copies from: the target's answers in the corpus's train split."""
     from mlx_redrafter.api import shipped_folder
-    from mlx_redrafter.draft.lookup import AnswerTable
     from mlx_redrafter.files import write_atomic
     from mlx_redrafter.models.loader import DEFAULT_MODEL
     from mlx_redrafter.train.corpus import Corpus, answer_table_bytes
@@ -74,9 +73,9 @@ def answers(
     root = corpus / name
     if not (root / "manifest.json").exists():
         raise UserError(f"no corpus at {root}: grow one with `make distill` (or pass --corpus)")
-    path = write_atomic(out or shipped_folder(name) / "answers.npz", answer_table_bytes(Corpus(root)))
-    table = AnswerTable.load(path)
-    typer.echo(f"wrote {path}: {table.meta['sequences']} answers, {table.num_tokens} tokens")
+    data, meta = answer_table_bytes(Corpus(root))
+    path = write_atomic(out or shipped_folder(name) / "answers.npz", data)
+    typer.echo(f"wrote {path}: {meta['sequences']} answers, {meta['tokens']} tokens")
 
 
 @c.one_line_errors

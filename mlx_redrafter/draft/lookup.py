@@ -118,21 +118,13 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)  # multiplier of the n-gram hash (odd: a bi
 
 
 def _ngram_keys(tokens: np.ndarray, n: int) -> np.ndarray:
-    """keys[i] = hash of tokens[i : i + n] (uint64; the same hash as `_key`)."""
+    """keys[i] = hash of tokens[i : i + n] (uint64)."""
     t = tokens.astype(np.uint64) + np.uint64(1)
     keys = np.zeros(len(tokens) - n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(n):
             keys = keys * _MUL + t[j : len(tokens) - n + 1 + j]
     return keys
-
-
-def _key(ngram: list[int]) -> np.uint64:
-    h = np.uint64(0)
-    with np.errstate(over="ignore"):
-        for t in ngram:
-            h = h * _MUL + np.uint64(t + 1)
-    return h
 
 
 class AnswerTable:
@@ -164,15 +156,11 @@ class AnswerTable:
         z = np.load(path)
         return cls(z["tokens"], meta=json.loads(str(z["meta"])) if "meta" in z.files else None)
 
-    @property
-    def num_tokens(self) -> int:
-        return int((self.tokens >= 0).sum())
-
     def candidates(self, context: list[int], max_len: int, width: int) -> list[list[int]]:
         """Up to `width` distinct continuations (1..max_len tokens) of the context's longest known last n-gram."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             keys, ends = self.tables[n]
-            k = _key(context[-n:])
+            k = _ngram_keys(np.asarray(context[-n:]), n)[0]
             lo, hi = int(np.searchsorted(keys, k, "left")), int(np.searchsorted(keys, k, "right"))
             if hi == lo:
                 continue

@@ -341,9 +341,9 @@ class Corpus:
         write_atomic(self.manifest_path, json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
 
 
-def answer_table_bytes(corpus: Corpus) -> bytes:
-    """answers.npz for `draft.lookup.AnswerTable`: the response tokens of every train-split sequence, each
-    followed by -1 (the held-out shard stays out, so evaluations on it stay fair)."""
+def answer_table_bytes(corpus: Corpus) -> tuple[bytes, dict[str, Any]]:
+    """answers.npz for `draft.lookup.AnswerTable` and its metadata: the response tokens of every train-split
+    sequence, each followed by -1 (the held-out shard stays out, so evaluations on it stay fair)."""
     parts, sequences = [], 0
     for path in corpus.shards("train"):
         shard = load_shard(path)
@@ -352,12 +352,13 @@ def answer_table_bytes(corpus: Corpus) -> bytes:
             sequences += 1
     if not parts:
         raise UserError(f"{corpus.root} has no train shards: grow it first with `make distill`")
-    meta = {"corpus": str(corpus.root.name), "sequences": sequences,
+    tokens = np.concatenate(parts).astype(np.int32)
+    meta = {"corpus": str(corpus.root.name), "sequences": sequences, "tokens": int((tokens >= 0).sum()),
             "fingerprint": corpus.manifest.get("target_fingerprint"),
             "shards": {p.name: corpus.entries[p.name]["sha256"] for p in corpus.shards("train")}}
     buf = io.BytesIO()
-    np.savez_compressed(buf, tokens=np.concatenate(parts).astype(np.int32), meta=np.array(json.dumps(meta)))
-    return buf.getvalue()
+    np.savez_compressed(buf, tokens=tokens, meta=np.array(json.dumps(meta)))
+    return buf.getvalue(), meta
 
 
 def follow_up_suffix(target: Target, text: str) -> list[int]:
