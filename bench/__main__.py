@@ -11,7 +11,7 @@ import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import typer
 
 from mlx_redrafter.cmd import common as c
-from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, QUICK_GRID
+from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, DEFAULT_DRAFTER_VOCAB, QUICK_GRID
 from mlx_redrafter.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -71,8 +71,10 @@ def sweep(
                                                   f"(default {_csv(BENCH_GRID['lengths'])})."),
     answers_widths: str = typer.Option(str(DEFAULT_ANSWERS_WIDTH), help="Answer-table widths of the lookup modes, "
                                        "comma-separated (e.g. 0,1 to measure the table's effect)."),
-    drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup (default: "
-                                                 "all three with a drafter, else lookup)."),
+    drafter_vocabs: str = typer.Option(str(DEFAULT_DRAFTER_VOCAB), help="Drafter head rows of the rnn modes, "
+                                       "comma-separated (0 = the whole head; e.g. 0,4096)."),
+    drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup, lookup-else-rnn "
+                                                 "(default: the first three with a drafter, else lookup)."),
     dtypes: str = typer.Option("auto", help="Comma-separated dtypes. " + c.DTYPE_HELP),
     max_tokens: int | None = typer.Option(None, help=f"New tokens per prompt (default {BENCH_GRID['max_tokens']})."),
     num_prompts: int | None = typer.Option(None, help="Prompts, spread over the file "
@@ -100,6 +102,7 @@ def sweep(
         widths=c.int_list(widths, "--widths") if widths else list(grid["widths"]),
         lengths=c.int_list(lengths, "--lengths") if lengths else list(grid["lengths"]),
         answers_widths=c.int_list(answers_widths, "--answers-widths"),
+        drafter_vocabs=c.int_list(drafter_vocabs, "--drafter-vocabs"),
         max_tokens=grid["max_tokens"] if max_tokens is None else max_tokens,
         num_prompts=grid["num_prompts"] if num_prompts is None else num_prompts, prompts_file=prompts_file,
         repeats=grid["repeats"] if repeats is None else repeats, mlx_lm=mlx_lm, profile=profile)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, WARMUP_TOKENS
+from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, DEFAULT_DRAFTER_VOCAB, WARMUP_TOKENS
 from mlx_redrafter.errors import UserError
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -29,6 +29,7 @@ class BenchSpec:
     widths: list[int] = field(default_factory=lambda: list(BENCH_GRID["widths"]))
     lengths: list[int] = field(default_factory=lambda: list(BENCH_GRID["lengths"]))
     answers_widths: list[int] = field(default_factory=lambda: [DEFAULT_ANSWERS_WIDTH])  # per lookup cell
+    drafter_vocabs: list[int] = field(default_factory=lambda: [DEFAULT_DRAFTER_VOCAB])  # per rnn cell
     max_tokens: int = BENCH_GRID["max_tokens"]
     num_prompts: int = BENCH_GRID["num_prompts"]
     prompts_file: Path | None = None
@@ -74,7 +75,8 @@ def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
     for s in samplings(spec.temperatures, spec.accepts):
         names = {c.name for c in configs}  # AR at T runs once, whatever the rules compared at T
         configs += [c for c in sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s,
-                                                      answers_widths=tuple(spec.answers_widths))
+                                                      answers_widths=tuple(spec.answers_widths),
+                                                      drafter_vocabs=tuple(spec.drafter_vocabs))
                     if c.name not in names]
     if spec.mlx_lm:
         from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs

@@ -16,7 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.defaults import DEFAULT_ANSWERS_WIDTH, DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_LOOKUP_WIDTH
+from mlx_redrafter.defaults import (
+    DEFAULT_ANSWERS_WIDTH,
+    DEFAULT_BEAM_LENGTH,
+    DEFAULT_BEAM_WIDTH,
+    DEFAULT_DRAFTER_VOCAB,
+    DEFAULT_LOOKUP_WIDTH,
+)
 from mlx_redrafter.draft.kinds import NAMES as KIND_NAMES
 from mlx_redrafter.draft.kinds import AnyDrafter, draft_kind, load_any_drafter
 from mlx_redrafter.draft.lookup import AnswerIndex, AnswerTable, NgramIndex, SuffixIndex
@@ -32,7 +38,7 @@ from mlx_redrafter.sampling import GREEDY, Sampling
 from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 
 SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
-DRAFT_MODES = ("auto", "rnn", "lookup", "rnn+lookup", "none")
+DRAFT_MODES = ("auto", "rnn", "lookup", "rnn+lookup", "lookup-else-rnn", "none")
 HEAD_MODES = ("medusa", "semi_ar")  # drafting by a Medusa / semi-AR checkpoint (--drafter DIR of that kind)
 # Lookup indices by name; the "2" variants copy only after a match of at least two tokens (fewer, better drafts).
 LOOKUP_INDEXES = {"ngram": partial(NgramIndex, 4, 1), "ngram2": partial(NgramIndex, 4, 2), "suffix": SuffixIndex,
@@ -55,13 +61,15 @@ class Runner:
 @dataclass
 class DecodeOptions:
     """How to decode. `draft`: auto (rnn+lookup with a drafter, else lookup; medusa / semi_ar with a drafter of
-    that kind), rnn, lookup, rnn+lookup, medusa, semi_ar, none."""
+    that kind), rnn, lookup, rnn+lookup (both every step), lookup-else-rnn (the drafter only in steps where
+    lookup finds nothing to copy), medusa, semi_ar, none."""
 
     draft: str = "auto"
     beam_width: int = DEFAULT_BEAM_WIDTH  # W: candidates of the recurrent drafter
     beam_length: int = DEFAULT_BEAM_LENGTH  # L: candidate length, first (already decided) token included
     lookup_width: int = DEFAULT_LOOKUP_WIDTH  # candidates copied from the context
     answers_width: int = DEFAULT_ANSWERS_WIDTH  # with lookup: from the answer table where the context has none
+    drafter_vocab: int = DEFAULT_DRAFTER_VOCAB  # rnn: draft from the head's N most frequent tokens (0 = all)
     lookup: str = "ngram"  # lookup index: ngram (prompt lookup) or suffix (suffix automaton)
     max_tokens: int = 256
     sampling: Sampling = GREEDY
@@ -85,6 +93,9 @@ class DecodeOptions:
                 raise UserError(f"--lookup-width must be >= 1 (got {self.lookup_width})")
             if self.answers_width < 0:
                 raise UserError(f"--answers-width must be >= 0 (0 = off; got {self.answers_width})")
+            if self.drafter_vocab < 0:
+                raise UserError(f"--drafter-vocab must be >= 0 (0 = the drafter's whole head; "
+                                f"got {self.drafter_vocab})")
 
 
 @dataclass
@@ -227,8 +238,10 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
     if mode == "none":
         return None
     slots = []
-    if "rnn" in mode:
-        slots.append(Slot(RnnSource(runner.drafter, runner.target.model.embed), options.beam_width))
+    rnn = Slot(RnnSource(runner.drafter, runner.target.model.embed, options.drafter_vocab), options.beam_width,
+               backs_up="lookup" if mode == "lookup-else-rnn" else None) if "rnn" in mode else None
+    if rnn is not None and rnn.backs_up is None:
+        slots.append(rnn)
     if mode == "medusa":
         medusa = MedusaSource(runner.drafter, options.medusa_tree)
         slots.append(Slot(medusa, medusa.num_paths(options.beam_length)))
@@ -240,6 +253,8 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
         if table is not None:
             slots.append(Slot(LookupSource(partial(AnswerIndex, table), "answers"), options.answers_width,
                               backs_up="lookup"))
+    if rnn is not None and rnn.backs_up:  # after lookup (and the answer table): it fills their silent steps
+        slots.append(rnn)
     return Allocator(slots, adaptive=options.adaptive)
 
 
@@ -289,6 +304,7 @@ def settings(runner: Runner, options: DecodeOptions) -> dict:
         "lookup_width": options.lookup_width if "lookup" in mode else 0,
         "lookup": options.lookup if "lookup" in mode else "none",
         "answers_width": options.answers_width if "lookup" in mode and answer_table(runner.target) else 0,
+        "drafter_vocab": options.drafter_vocab if "rnn" in mode else 0,
         **options.sampling.as_dict(), "device": str(mx.default_device()),
     }
 

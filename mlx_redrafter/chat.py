@@ -56,8 +56,8 @@ def drafting_fallback(runner: api.Runner, options: api.DecodeOptions) -> tuple[a
     name = runner.target.name
     if options.draft == "auto":
         return options, f"no drafter for {name}: drafting by lookup (copying from the context) instead"
-    if options.draft == "rnn+lookup":
-        return replace(options, draft="lookup"), f"no drafter for {name}: --draft rnn+lookup drafts by lookup only"
+    if "lookup" in options.draft:
+        return replace(options, draft="lookup"), f"no drafter for {name}: --draft {options.draft} drafts by lookup only"
     return replace(options, draft="none"), f"no drafter for {name}: --draft rnn falls back to plain AR decoding"
 
 

@@ -8,6 +8,8 @@ DEFAULT_LOOKUP_WIDTH = 1
 # our CPU it adds tokens per call (+0.03-0.11) but costs more verification than it saves
 # (bench/results/cpu-avx2/answer-table.md); where verifying a few more tokens is nearly free, try 1.
 DEFAULT_ANSWERS_WIDTH = 0
+# Rows of the recurrent drafter's vocabulary head used when drafting (its most frequent tokens; 0 = all).
+DEFAULT_DRAFTER_VOCAB = 0
 
 # Sweep grids: `make bench` (full and --quick) and `redrafter-mlx tune`.
 BENCH_GRID = {"widths": [1, 2, 4], "lengths": [2, 3, 4, 5], "num_prompts": 8, "max_tokens": 128, "repeats": 1}

@@ -19,6 +19,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from mlx_redrafter.draft.beam_search import beam_search, greedy_draft
+from mlx_redrafter.draft.redrafter import FrequentHead
 
 
 @dataclass
@@ -50,7 +51,10 @@ class RnnSource:
 
     name = "rnn"
 
-    def __init__(self, drafter, embed: Callable[[mx.array], mx.array]):
+    def __init__(self, drafter, embed: Callable[[mx.array], mx.array], head_rows: int = 0):
+        """`head_rows` > 0: draft with only that many of the head's most frequent tokens (`FrequentHead`)."""
+        if head_rows:
+            drafter = FrequentHead(drafter, head_rows)
         self.drafter, self.embed = drafter, embed
 
     def start(self, tokens: list[int]) -> None:

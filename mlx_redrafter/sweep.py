@@ -16,12 +16,14 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import product
 from typing import Any
 
 from mlx_redrafter.api import DRAFT_MODES, HEAD_MODES, DecodeOptions, Runner, encode_prompt, settings
 from mlx_redrafter.api import decode as api_decode
 from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
+    DEFAULT_DRAFTER_VOCAB,
     DEFAULT_LOOKUP_WIDTH,
     SWEEP_DRAFTS,
     TUNE_MIN_SPEEDUP,
@@ -64,23 +66,26 @@ def config_name(draft: str, width: int = 0, length: int = 0, sampling: Sampling 
 
 def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_tokens: int,
                  sampling: Sampling = GREEDY, lookup_width: int = DEFAULT_LOOKUP_WIDTH,
-                 answers_widths: tuple[int, ...] = (DEFAULT_ANSWERS_WIDTH,)) -> list[Config]:
-    """AR plus every draft mode x width x length. The width is W for 'rnn', 'rnn+lookup' (whose lookup width
+                 answers_widths: tuple[int, ...] = (DEFAULT_ANSWERS_WIDTH,),
+                 drafter_vocabs: tuple[int, ...] = (DEFAULT_DRAFTER_VOCAB,)) -> list[Config]:
+    """AR plus every draft mode x width x length. The width is W for the modes with 'rnn' (whose lookup width
     stays `lookup_width`) and 'semi_ar', the lookup width for 'lookup', and the number of nodes of Medusa's
     tree (the first W nodes of mc_sim_7b_63) for 'medusa'. Modes with lookup run once per answer-table width
-    (names get '-aK' where K is not the default)."""
+    (names get '-aK' where K is not the default), modes with rnn once per drafter vocabulary ('-vN')."""
     base = DecodeOptions(draft="none", max_tokens=max_tokens, sampling=sampling)
     configs = [Config(config_name("none", sampling=sampling), base)]
     for draft in drafts:
         for w in widths:
             for length in lengths:
-                for a in answers_widths if "lookup" in draft else (DEFAULT_ANSWERS_WIDTH,):
+                for a, v in product(answers_widths if "lookup" in draft else (DEFAULT_ANSWERS_WIDTH,),
+                                    drafter_vocabs if "rnn" in draft else (DEFAULT_DRAFTER_VOCAB,)):
                     opts = replace(base, draft=draft, beam_width=w if "rnn" in draft or draft == "semi_ar" else 1,
                                    beam_length=length, lookup_width=w if draft == "lookup" else lookup_width,
-                                   answers_width=a,
+                                   answers_width=a, drafter_vocab=v,
                                    medusa_tree=f"mc_sim_7b_63:{w}" if draft == "medusa" else base.medusa_tree)
                     opts.check()
-                    suffix = f"-a{a}" if a != DEFAULT_ANSWERS_WIDTH else ""
+                    suffix = (f"-a{a}" if a != DEFAULT_ANSWERS_WIDTH else "") + (
+                        f"-v{v}" if v != DEFAULT_DRAFTER_VOCAB else "")
                     configs.append(Config(config_name(draft, w, length, sampling) + suffix, opts))
     return configs
 
@@ -123,7 +128,8 @@ def parse_drafts(text: str | None, has_drafter: bool) -> list[str]:
     drafts = [d.strip() for d in text.split(",") if d.strip()]
     bad = [d for d in drafts if d not in DRAFT_MODES + HEAD_MODES or d in ("auto", "none")]
     if bad or not drafts:
-        raise UserError(f"--drafts takes a comma list of rnn, lookup, rnn+lookup, medusa, semi_ar (got {text!r})")
+        raise UserError(f"--drafts takes a comma list of rnn, lookup, rnn+lookup, lookup-else-rnn, medusa, semi_ar "
+                        f"(got {text!r})")
     if not has_drafter and any("rnn" in d for d in drafts):
         raise UserError("--drafts rnn / rnn+lookup need a drafter, and there is none: pass --drafter DIR (or "
                         "random:0 for a smoke run), or --drafts lookup")
@@ -263,6 +269,7 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
                                  "beam_length", "lookup_width", "lookup", "temperature")}
     rec["medusa_tree"] = rs[0].get("medusa_tree", "")
     rec["answers_width"] = rs[0].get("answers_width", 0)
+    rec["drafter_vocab"] = rs[0].get("drafter_vocab", 0)
     rec["accept"] = rs[0].get("accept", "greedy")  # greedy, exact or typical
     rec.update({
         "prompts": len(rs), "tokens_per_step": _mean([r["tokens_per_step"] for r in rs]),
@@ -292,7 +299,7 @@ def is_cell(s: dict[str, Any]) -> bool:
 
 
 def cell_width(s: dict[str, Any]) -> int:
-    """A cell's width as the grid names it: W for rnn, rnn+lookup and semi_ar, the lookup width for lookup, the
+    """A cell's width as the grid names it: W for the modes with rnn and for semi_ar, the lookup width for lookup, the
     number of tree nodes for medusa."""
     if s["draft"] == "medusa":
         tree = str(s.get("medusa_tree", ""))

@@ -172,5 +172,7 @@ def test_a_model_without_drafter_says_which_drafting_it_uses(target):
     assert opts.draft == "auto" and "lookup" in note
     opts, note = drafting_fallback(bare, api.DecodeOptions(draft="rnn"))
     assert opts.draft == "none" and "AR" in note
+    opts, note = drafting_fallback(bare, api.DecodeOptions(draft="lookup-else-rnn"))
+    assert opts.draft == "lookup" and "lookup only" in note
     assert drafting_fallback(bare, api.DecodeOptions(draft="lookup"))[1] is None
     assert re.search("lookup", api.settings(bare, api.DecodeOptions())["draft"])

@@ -41,6 +41,7 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--model", "/nonexistent/model.gguf"], ["does not exist"]),
         (["-p", "hi", "--model", "no-such-alias"], ["unknown model"]),
         (["-p", "hi", "--drafter", "/nonexistent/drafter"], ["drafter", "does not exist"]),
+        (["-p", "hi", "--draft", "lookup-else-rnn", "--drafter-vocab", "9000"], ["--drafter-vocab", "8192"]),
     ],
 )
 def test_bad_arguments(args, needles):

@@ -130,3 +130,27 @@ def test_bad_quantization_settings(tmp_path):
     (float_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="do not match its config.json"):
         load_drafter(float_dir)  # float weights, quantized config
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_frequent_head_is_the_first_rows_of_the_full_head(quantized):
+    """--drafter-vocab N drafts from the head's first N rows (its most frequent tokens): the same logits there,
+    drafts only among those tokens, float and quantized alike; bad N and full-vocabulary heads are clear errors."""
+    from mlx_redrafter.draft.redrafter import FrequentHead
+
+    d = random_drafter(H, V, seed=5, exit_dim=128, draft_vocab_size=256)
+    if quantized:
+        quantize_drafter(d, 4, 32)
+    cut = FrequentHead(d, 64)
+    h, s = inputs(seed=6)
+    full, part = np.array(d.logits(h, s)), np.array(cut.logits(h, s))
+    assert part.shape == (5, 64)
+    np.testing.assert_allclose(part, full[:, :64], rtol=1e-5, atol=1e-5)
+    table = mx.random.normal((V, H), key=mx.random.key(7))
+    beams, _ = beam_search(cut, lambda ids: table[ids], h[:2], mx.array([7, 11]), width=2, length=4)
+    assert np.isin(np.array(beams[:, :, 1:]), np.array(d.draft_vocab[:64])).all()
+    for bad in (0, 257):
+        with pytest.raises(UserError, match="--drafter-vocab must be between 1 and the drafter's 256 head rows"):
+            FrequentHead(d, bad)
+    with pytest.raises(UserError, match="frequency-ordered draft vocabulary"):
+        FrequentHead(random_drafter(H, V, seed=5, exit_dim=128), 64)

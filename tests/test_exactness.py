@@ -87,6 +87,17 @@ def test_lookup_with_the_answer_table_equals_autoregressive(target, prompts, ar_
     assert stats.source_proposed["answers"] > 0
 
 
+def test_drafter_backing_up_lookup_with_a_cut_head_equals_autoregressive(target, prompts, ar_outputs, drafter):
+    """lookup-else-rnn with --drafter-vocab: each step either lookup proposes or, where it has nothing to copy, the
+    drafter (its head cut to 512 of 4096 rows) proposes its W beams; never both, never neither."""
+    stats = check(target, prompts, ar_outputs,
+                  lambda: Allocator([Slot(LookupSource(NgramIndex), 1),
+                                     Slot(RnnSource(drafter, target.model.embed, head_rows=512), 2,
+                                          backs_up="lookup")]), 4)
+    assert stats.source_proposed["lookup"] > 0 and stats.source_proposed["rnn"] > 0
+    assert stats.source_proposed["lookup"] + stats.source_proposed["rnn"] // 2 == stats.steps
+
+
 @pytest.fixture(scope="module")
 def shipped(target):
     from mlx_redrafter.api import resolve_drafter
@@ -114,6 +125,19 @@ def test_shipped_drafter_is_exact_and_stops_inside_accepted_runs(target, prompts
         eos_inside_run += stats.stop_reason == "eos" and stats.discarded_tokens > 0
     assert accepted > 0
     assert eos_inside_run >= 1
+
+
+def test_lookup_else_rnn_through_the_api(target, prompts, ar_outputs, shipped):
+    """--draft lookup-else-rnn puts the drafter behind lookup; with --drafter-vocab it is exact and recorded."""
+    from mlx_redrafter import api
+
+    runner = api.Runner(target=target, drafter=shipped, drafter_name="shipped")
+    opts = api.DecodeOptions(draft="lookup-else-rnn", beam_length=4, drafter_vocab=4096, max_tokens=MAX_TOKENS)
+    slots = api.make_allocator(runner, opts).slots
+    assert [(s.source.name, s.backs_up) for s in slots] == [("lookup", None), ("rnn", "lookup")]
+    res = api.generate(runner, prompts[0], opts)
+    assert res.tokens == ar_outputs[0]
+    assert res.settings["draft"] == "lookup-else-rnn" and res.settings["drafter_vocab"] == 4096
 
 
 def test_continuing_a_conversation_reuses_the_cache(target, chat_ids, drafter):

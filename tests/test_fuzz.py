@@ -42,12 +42,16 @@ def test_random_cases_never_diverge(target, chat_ids):
         W, L, K = rng.choice([1, 2, 3, 4, 8]), rng.randint(2, 7), rng.choice([0, 0, 1, 2, 3])
         p_idx, n_tok = rng.randrange(len(prompts)), rng.choice([8, 16, 24])
         index = rng.choice([NgramIndex, SuffixIndex])
-        slots = [] if rng.random() < 0.15 and K else [Slot(RnnSource(drafter, model.embed), W)]
+        rows = rng.choice([0, 64, 512]) if shape[1] else 0  # --drafter-vocab: the head cut to its first rows
+        backup = K > 0 and rng.random() < 0.3  # lookup-else-rnn: the drafter only where lookup has nothing
+        rnn = Slot(RnnSource(drafter, model.embed, rows), W, backs_up="lookup" if backup else None)
+        slots = [] if rng.random() < 0.15 and K or backup else [rnn]
         if K:
             slots.append(Slot(LookupSource(index), K))
             if rng.random() < 0.5:  # the answer table, backing up context lookup
                 slots.append(Slot(LookupSource(lambda: AnswerIndex(table), "answers"), rng.choice([1, 2]),
                                   backs_up="lookup"))
+        slots += [rnn] if backup else []
         alloc = Allocator(slots, adaptive=rng.random() < 0.5)
         key = (p_idx, n_tok)
         if key not in ar_cache:
@@ -58,8 +62,8 @@ def test_random_cases_never_diverge(target, chat_ids):
             ties += problem is None
             if problem is not None:
                 failures += 1
-                print(f"case {case}: seed {seed} shape {shape} W={W} L={L} lookup {K} {index.__name__} prompt {p_idx}"
-                      f": {problem}")
+                print(f"case {case}: seed {seed} shape {shape} rows {rows} backup {backup} W={W} L={L} lookup {K} "
+                      f"{index.__name__} prompt {p_idx}: {problem}")
         if (case + 1) % 50 == 0:
             print(f"fuzz: {case + 1} cases, {failures} divergences, {ties} proven ties, {time.time() - t0:.0f} s",
                   flush=True)

@@ -91,6 +91,7 @@ def chat(
     lookup_width: int | None = c.LookupWidth,
     lookup: str = c.Lookup,
     answers_width: int = c.AnswersWidth,
+    drafter_vocab: int = c.DrafterVocab,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most new tokens per answer."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
     temp: float = c.Temp, top_p: float = c.TopP, top_k: int = c.TopK, min_p: float = c.MinP,
@@ -111,7 +112,8 @@ def chat(
     if max_tokens < 1:
         c.fail(f"--max-tokens must be >= 1 (got {max_tokens})")
     sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
-    base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, max_tokens=max_tokens, sampling=sampling)
+    base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, drafter_vocab=drafter_vocab,
+                             max_tokens=max_tokens, sampling=sampling)
     res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width),
                          dtype, base)
     res.options.check()

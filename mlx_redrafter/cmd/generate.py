@@ -26,6 +26,7 @@ def generate(
     lookup_width: int | None = c.LookupWidth,
     lookup: str = c.Lookup,
     answers_width: int = c.AnswersWidth,
+    drafter_vocab: int = c.DrafterVocab,
     medusa_tree: str | None = c.MedusaTree,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most new tokens per prompt."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
@@ -44,13 +45,14 @@ def generate(
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
     sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
-    base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, max_tokens=max_tokens, sampling=sampling)
+    base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, drafter_vocab=drafter_vocab,
+                             max_tokens=max_tokens, sampling=sampling)
     res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width,
                                                          medusa_tree),
                          dtype, base)
     res.options.check()
     prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
-    need_drafter = res.options.draft in ("auto", "rnn", "rnn+lookup", "medusa", "semi_ar")
+    need_drafter = res.options.draft in ("auto", "rnn", "rnn+lookup", "lookup-else-rnn", "medusa", "semi_ar")
     runner = api.load(model, drafter if need_drafter else "none", res.dtype)
     if res.options.draft == "auto":
         from mlx_redrafter.chat import drafting_fallback

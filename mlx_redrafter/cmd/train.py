@@ -166,7 +166,7 @@ def eval_drafter(
     prompts: Path | None = typer.Option(None, help="Prompts JSONL [MT-bench first turns shipped in the package]."),
     heldout: bool = typer.Option(False, "--heldout", help="Use the corpus' held-out prompts instead."),
     corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (for --heldout)."),
-    draft: str = typer.Option("rnn", help="Drafting to measure: rnn, lookup or rnn+lookup."),
+    draft: str = typer.Option("rnn", help="Drafting to measure: rnn, lookup, rnn+lookup or lookup-else-rnn."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Acceptance of a drafter on prompts it never saw: tokens per target call, per-position acceptance and the

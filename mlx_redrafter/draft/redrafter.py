@@ -131,14 +131,18 @@ class Drafter(nn.Module):
             return nn.silu(self.rnn_w(token_emb) + self.rnn_u(state))
         return state + token_emb
 
-    def logits(self, context: mx.array, state: mx.array) -> mx.array:
-        """Head logits from [context ; state]: (..., 2H) -> (..., K) (K = vocab or draft vocab)."""
+    def features(self, context: mx.array, state: mx.array) -> mx.array:
+        """The vocabulary projection's input from [context ; state]: (..., 2H) -> (..., E)."""
         x = mx.concatenate([context, state], axis=-1)
         if "input_proj" in self:
             x = self.input_proj(x)
-        for layer in self.lm_head:
+        for layer in self.lm_head[:-1]:
             x = layer(x)
         return x
+
+    def logits(self, context: mx.array, state: mx.array) -> mx.array:
+        """Head logits from [context ; state]: (..., 2H) -> (..., K) (K = vocab or draft vocab)."""
+        return self.lm_head[-1](self.features(context, state))
 
     def token_ids(self, head_index: mx.array) -> mx.array:
         """Map head output indices to target token ids (identity for a full-vocab head)."""
@@ -155,6 +159,38 @@ class Drafter(nn.Module):
                 continue
             n += v.size * 32 // bits if v.dtype == mx.uint32 else v.size
         return n
+
+
+class FrequentHead:
+    """A drafter whose vocabulary head keeps only its first `rows` rows: the `rows` most frequent tokens of its
+    draft vocabulary, which is ordered by training frequency. A cheaper head (drafting reads the head once per
+    drafted token); its drafts differ from the full head's only where that one's choice lies beyond them."""
+
+    def __init__(self, drafter: Drafter, rows: int):
+        size = drafter.args.draft_vocab_size
+        if not size:
+            raise UserError("--drafter-vocab needs a drafter with a frequency-ordered draft vocabulary "
+                            "(draft_vocab_size in its config); this one predicts the whole vocabulary: leave it at 0")
+        if not 1 <= rows <= size:
+            raise UserError(f"--drafter-vocab must be between 1 and the drafter's {size} head rows (0 = all; "
+                            f"got {rows})")
+        self.drafter, self.rows = drafter, rows
+        head = drafter.lm_head[-1]
+        self.parts = [getattr(head, k)[:rows] for k in ("weight", "scales", "biases") if k in head]
+        self.vocab = drafter.draft_vocab[:rows]
+
+    def next_state(self, state: mx.array, token_emb: mx.array) -> mx.array:
+        return self.drafter.next_state(state, token_emb)
+
+    def logits(self, context: mx.array, state: mx.array) -> mx.array:
+        """(..., 2H) -> (..., rows)."""
+        x, head = self.drafter.features(context, state), self.drafter.lm_head[-1]
+        if len(self.parts) == 3:  # quantized: rows are independent, so the first rows of each part
+            return mx.quantized_matmul(x, *self.parts, transpose=True, group_size=head.group_size, bits=head.bits)
+        return x @ self.parts[0].T
+
+    def token_ids(self, head_index: mx.array) -> mx.array:
+        return self.vocab[head_index]
 
 
 def _quantize_linears(drafter: Drafter, bits: int, group_size: int) -> None:
