@@ -112,8 +112,11 @@ def readme(meta: dict[str, Any]) -> str:
     for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], b.get("accept", ""),
                                                  -b["speedup_vs_ar"])):
         width = cell_width(b)
+        extras = [f"{name} {b[k]}" for k, name in (("answers_width", "answers"), ("drafter_vocab", "head rows"))
+                  if b.get(k)]
+        draft = b["draft"] + (f" ({', '.join(extras)})" if extras else "")
         lines.append(
-            f"| {b['draft']} | {b['dtype']} | {b['temperature']:g} | {b.get('accept', 'greedy')} | {width} "
+            f"| {draft} | {b['dtype']} | {b['temperature']:g} | {b.get('accept', 'greedy')} | {width} "
             f"| {b['beam_length']} | "
             f"{b['tokens_per_step']:.2f} | {b['decode_tokens_per_s']:.1f} | {b['ar_decode_tokens_per_s']:.1f} | "
             f"{_f(b.get('mlx_lm_decode_tokens_per_s'), '.1f')} | {b['speedup_vs_ar']:.2f}x | "
