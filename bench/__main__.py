@@ -71,8 +71,9 @@ def sweep(
                                                   f"(default {_csv(BENCH_GRID['lengths'])})."),
     answers_widths: str = typer.Option(str(DEFAULT_ANSWERS_WIDTH), help="Answer-table widths of the lookup modes, "
                                        "comma-separated (e.g. 0,1 to measure the table's effect)."),
-    drafter_vocabs: str = typer.Option(str(DEFAULT_DRAFTER_VOCAB), help="Drafter head rows of the rnn modes, "
-                                       "comma-separated (0 = the whole head; e.g. 0,4096)."),
+    drafter_vocabs: str | None = typer.Option(None, help="Drafter head rows of the rnn modes, comma-separated "
+                                              f"(0 = the whole head; e.g. 0,4096) [{DEFAULT_DRAFTER_VOCAB} where the "
+                                              "head is frequency-ordered and larger, else all]."),
     drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup, lookup-else-rnn "
                                                  "(default: the first three with a drafter, else lookup)."),
     dtypes: str = typer.Option("auto", help="Comma-separated dtypes. " + c.DTYPE_HELP),
@@ -102,7 +103,7 @@ def sweep(
         widths=c.int_list(widths, "--widths") if widths else list(grid["widths"]),
         lengths=c.int_list(lengths, "--lengths") if lengths else list(grid["lengths"]),
         answers_widths=c.int_list(answers_widths, "--answers-widths"),
-        drafter_vocabs=c.int_list(drafter_vocabs, "--drafter-vocabs"),
+        drafter_vocabs=c.int_list(drafter_vocabs, "--drafter-vocabs") if drafter_vocabs else [None],
         max_tokens=grid["max_tokens"] if max_tokens is None else max_tokens,
         num_prompts=grid["num_prompts"] if num_prompts is None else num_prompts, prompts_file=prompts_file,
         repeats=grid["repeats"] if repeats is None else repeats, mlx_lm=mlx_lm, profile=profile)

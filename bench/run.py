@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, DEFAULT_DRAFTER_VOCAB, WARMUP_TOKENS
+from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, WARMUP_TOKENS
 from mlx_redrafter.errors import UserError
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -29,7 +29,7 @@ class BenchSpec:
     widths: list[int] = field(default_factory=lambda: list(BENCH_GRID["widths"]))
     lengths: list[int] = field(default_factory=lambda: list(BENCH_GRID["lengths"]))
     answers_widths: list[int] = field(default_factory=lambda: [DEFAULT_ANSWERS_WIDTH])  # per lookup cell
-    drafter_vocabs: list[int] = field(default_factory=lambda: [DEFAULT_DRAFTER_VOCAB])  # per rnn cell
+    drafter_vocabs: list[int | None] = field(default_factory=lambda: [None])  # per rnn cell; None: the default
     max_tokens: int = BENCH_GRID["max_tokens"]
     num_prompts: int = BENCH_GRID["num_prompts"]
     prompts_file: Path | None = None

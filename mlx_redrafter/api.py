@@ -60,7 +60,7 @@ class Runner:
 
 @dataclass
 class DecodeOptions:
-    """How to decode. `draft`: auto (rnn+lookup with a drafter, else lookup; medusa / semi_ar with a drafter of
+    """How to decode. `draft`: auto (lookup-else-rnn with a ReDrafter, else lookup; medusa / semi_ar with a drafter of
     that kind), rnn, lookup, rnn+lookup (both every step), lookup-else-rnn (the drafter only in steps where
     lookup finds nothing to copy), medusa, semi_ar, none."""
 
@@ -69,7 +69,7 @@ class DecodeOptions:
     beam_length: int = DEFAULT_BEAM_LENGTH  # L: candidate length, first (already decided) token included
     lookup_width: int = DEFAULT_LOOKUP_WIDTH  # candidates copied from the context
     answers_width: int = DEFAULT_ANSWERS_WIDTH  # with lookup: from the answer table where the context has none
-    drafter_vocab: int = DEFAULT_DRAFTER_VOCAB  # rnn: draft from the head's N most frequent tokens (0 = all)
+    drafter_vocab: int | None = None  # rnn: draft from the head's N most frequent tokens (0 = all; see head_rows)
     lookup: str = "ngram"  # lookup index: ngram (prompt lookup) or suffix (suffix automaton)
     max_tokens: int = 256
     sampling: Sampling = GREEDY
@@ -93,7 +93,7 @@ class DecodeOptions:
                 raise UserError(f"--lookup-width must be >= 1 (got {self.lookup_width})")
             if self.answers_width < 0:
                 raise UserError(f"--answers-width must be >= 0 (0 = off; got {self.answers_width})")
-            if self.drafter_vocab < 0:
+            if self.drafter_vocab is not None and self.drafter_vocab < 0:
                 raise UserError(f"--drafter-vocab must be >= 0 (0 = the drafter's whole head; "
                                 f"got {self.drafter_vocab})")
 
@@ -220,7 +220,7 @@ def draft_mode(runner: Runner, options: DecodeOptions) -> str:
     drafter kind (rnn, medusa, semi_ar) is not the loaded drafter's."""
     mode, kind = options.draft, draft_kind(runner.drafter)
     if mode == "auto":
-        return kind if kind in HEAD_MODES else "rnn+lookup" if runner.drafter is not None else "lookup"
+        return kind if kind in HEAD_MODES else "lookup-else-rnn" if runner.drafter is not None else "lookup"
     if "rnn" in mode and runner.drafter is None:
         raise UserError(f"--draft {mode} needs a drafter, but {runner.target.name} has none: use --draft lookup "
                         f"or pass --drafter DIR")
@@ -232,13 +232,22 @@ def draft_mode(runner: Runner, options: DecodeOptions) -> str:
     return mode
 
 
+def head_rows(runner: Runner, options: DecodeOptions) -> int:
+    """Rows of the recurrent drafter's head to draft from (0 = all): --drafter-vocab if given, else
+    DEFAULT_DRAFTER_VOCAB where the drafter's head is frequency-ordered and larger than that."""
+    if options.drafter_vocab is not None:
+        return options.drafter_vocab
+    size = getattr(getattr(runner.drafter, "args", None), "draft_vocab_size", 0) or 0
+    return DEFAULT_DRAFTER_VOCAB if size > DEFAULT_DRAFTER_VOCAB else 0
+
+
 def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
     """The draft sources for these options (None: plain autoregressive decoding)."""
     mode = draft_mode(runner, options)
     if mode == "none":
         return None
     slots = []
-    rnn = Slot(RnnSource(runner.drafter, runner.target.model.embed, options.drafter_vocab), options.beam_width,
+    rnn = Slot(RnnSource(runner.drafter, runner.target.model.embed, head_rows(runner, options)), options.beam_width,
                backs_up="lookup" if mode == "lookup-else-rnn" else None) if "rnn" in mode else None
     if rnn is not None and rnn.backs_up is None:
         slots.append(rnn)
@@ -304,7 +313,7 @@ def settings(runner: Runner, options: DecodeOptions) -> dict:
         "lookup_width": options.lookup_width if "lookup" in mode else 0,
         "lookup": options.lookup if "lookup" in mode else "none",
         "answers_width": options.answers_width if "lookup" in mode and answer_table(runner.target) else 0,
-        "drafter_vocab": options.drafter_vocab if "rnn" in mode else 0,
+        "drafter_vocab": head_rows(runner, options) if "rnn" in mode else 0,
         **options.sampling.as_dict(), "device": str(mx.default_device()),
     }
 

@@ -1,15 +1,16 @@
 """Built-in defaults in one place: the decode shape used without a tuned entry, and the sweep grids."""
 
-# Without a tuned entry (`redrafter-mlx tune`): the best cell measured in bench/results/cpu (see README).
+# Without a tuned entry (`redrafter-mlx tune`): the best cell measured in bench/results/cpu-avx2 (W1 L4, see README).
 DEFAULT_BEAM_WIDTH = 1
-DEFAULT_BEAM_LENGTH = 3
+DEFAULT_BEAM_LENGTH = 4
 DEFAULT_LOOKUP_WIDTH = 1
 # Candidates from the model's answer table (lookup modes, where a table is shipped): off by default, because on
 # our CPU it adds tokens per call (+0.03-0.11) but costs more verification than it saves
 # (bench/results/cpu-avx2/answer-table.md); where verifying a few more tokens is nearly free, try 1.
 DEFAULT_ANSWERS_WIDTH = 0
-# Rows of the recurrent drafter's vocabulary head used when drafting (its most frequent tokens; 0 = all).
-DEFAULT_DRAFTER_VOCAB = 0
+# Rows of the recurrent drafter's vocabulary head used when drafting, where its head is frequency-ordered and
+# larger (its most frequent tokens): same tokens per call, a cheaper head (bench/results/cpu-avx2/README.md).
+DEFAULT_DRAFTER_VOCAB = 4096
 
 # Sweep grids: `make bench` (full and --quick) and `redrafter-mlx tune`.
 BENCH_GRID = {"widths": [1, 2, 4], "lengths": [2, 3, 4, 5], "num_prompts": 8, "max_tokens": 128, "repeats": 1}

@@ -91,7 +91,7 @@ def chat(
     lookup_width: int | None = c.LookupWidth,
     lookup: str = c.Lookup,
     answers_width: int = c.AnswersWidth,
-    drafter_vocab: int = c.DrafterVocab,
+    drafter_vocab: int | None = c.DrafterVocab,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most new tokens per answer."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
     temp: float = c.Temp, top_p: float = c.TopP, top_k: int = c.TopK, min_p: float = c.MinP,

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from mlx_redrafter.defaults import DEFAULT_ANSWERS_WIDTH, DEFAULT_DRAFTER_VOCAB
+from mlx_redrafter.defaults import DEFAULT_ANSWERS_WIDTH, DEFAULT_BEAM_LENGTH, DEFAULT_DRAFTER_VOCAB
 from mlx_redrafter.errors import UserError
 
 MODEL_HELP = ("Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded "
@@ -74,24 +74,26 @@ def int_list(text: str, flag: str) -> list[int]:
 
 
 # Decoding flags shared by generate / chat (None = not given: tuned entry or default applies).
-Draft = typer.Option(None, "--draft", help="Drafting: auto (the drafter's own kind: rnn+lookup for a ReDrafter, else "
-                                           "lookup without one), rnn, lookup, rnn+lookup, lookup-else-rnn (the "
-                                           "drafter only where lookup finds nothing), medusa, semi_ar, none "
+Draft = typer.Option(None, "--draft", help="Drafting: auto (the drafter's own kind: lookup-else-rnn for a "
+                                           "ReDrafter, else lookup without one), rnn, lookup, rnn+lookup, "
+                                           "lookup-else-rnn (the drafter only where lookup finds nothing), medusa, "
+                                           "semi_ar, none "
                                            "\\[tuned, else auto].")
 MedusaTree = typer.Option(None, "--medusa-tree", help="Medusa's static tree: cpu (7 nodes), mc_sim_7b_63, or NAME:N "
                                                       "(its first N nodes) \\[cpu].")
 NoDraft = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (= --draft none).")
 BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the recurrent drafter \\[tuned, else 1].")
 BeamLength = typer.Option(None, "--beam-length", "-l",
-                          help="L: candidate length incl. the first token \\[tuned, else 3].")
+                          help=f"L: candidate length incl. the first token \\[tuned, else {DEFAULT_BEAM_LENGTH}].")
 LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context \\[tuned, else 1].")
 AnswersWidth = typer.Option(DEFAULT_ANSWERS_WIDTH, "--answers-width",
                             help="With lookup: candidates copied from the model's own answers to other prompts "
                                  "in steps where the context has nothing to copy (where a table is shipped; "
                                  "0 = off) \\[0].")
-DrafterVocab = typer.Option(DEFAULT_DRAFTER_VOCAB, "--drafter-vocab",
+DrafterVocab = typer.Option(None, "--drafter-vocab",
                             help="Recurrent drafter: draft from only the N most frequent tokens of its head (a "
-                                 "cheaper head; exact either way; 0 = all) \\[0].")
+                                 f"cheaper head; exact either way; 0 = all) \\[{DEFAULT_DRAFTER_VOCAB} where the "
+                                 "head is frequency-ordered and larger, else all].")
 Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), "
                                                 "suffix (suffix automaton), suffix2 (matches of >= 2 tokens).")
 Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")

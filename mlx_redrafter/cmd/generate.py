@@ -26,7 +26,7 @@ def generate(
     lookup_width: int | None = c.LookupWidth,
     lookup: str = c.Lookup,
     answers_width: int = c.AnswersWidth,
-    drafter_vocab: int = c.DrafterVocab,
+    drafter_vocab: int | None = c.DrafterVocab,
     medusa_tree: str | None = c.MedusaTree,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most new tokens per prompt."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
