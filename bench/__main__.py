@@ -75,7 +75,7 @@ def sweep(
                                               f"(0 = the whole head; e.g. 0,4096) [{DEFAULT_DRAFTER_VOCAB} where the "
                                               "head is frequency-ordered and larger, else all]."),
     drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup, lookup-else-rnn "
-                                                 "(default: the first three with a drafter, else lookup)."),
+                                                 "(default: all four with a drafter, else lookup)."),
     dtypes: str = typer.Option("auto", help="Comma-separated dtypes. " + c.DTYPE_HELP),
     max_tokens: int | None = typer.Option(None, help=f"New tokens per prompt (default {BENCH_GRID['max_tokens']})."),
     num_prompts: int | None = typer.Option(None, help="Prompts, spread over the file "

@@ -22,7 +22,7 @@ class BenchSpec:
     device: str
     model: str | None = None
     drafter: str = "default"
-    drafts: str | None = None  # comma list; None: rnn, lookup, rnn+lookup with a drafter, else lookup
+    drafts: str | None = None  # comma list; None: SWEEP_DRAFTS with a drafter, else lookup
     dtypes: list[str] = field(default_factory=lambda: ["auto"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     accepts: list[str] = field(default_factory=lambda: ["exact"])  # acceptance rules measured at T > 0

@@ -18,7 +18,7 @@ def tune(
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     drafter: str = typer.Option("default", help=c.DRAFTER_HELP),
     drafts: str | None = typer.Option(None, help="Draft modes to try, comma-separated: rnn, lookup, rnn+lookup, "
-                                                 "lookup-else-rnn (default: the first three with a drafter, else "
+                                                 "lookup-else-rnn (default: all four with a drafter, else "
                                                  "lookup)."),
     widths: str = typer.Option(",".join(map(str, TUNE_GRID["widths"])),
                                help="Widths: W for rnn modes, lookup width for lookup; comma-separated."),
