@@ -233,11 +233,11 @@ def draft_mode(runner: Runner, options: DecodeOptions) -> str:
 
 
 def head_rows(runner: Runner, options: DecodeOptions) -> int:
-    """Rows of the recurrent drafter's head to draft from (0 = all): --drafter-vocab if given, else
+    """Rows of the ReDrafter's head to draft from (0 = all), for modes with rnn: --drafter-vocab if given, else
     DEFAULT_DRAFTER_VOCAB where the drafter's head is frequency-ordered and larger than that."""
     if options.drafter_vocab is not None:
         return options.drafter_vocab
-    size = getattr(getattr(runner.drafter, "args", None), "draft_vocab_size", 0) or 0
+    size = runner.drafter.args.draft_vocab_size or 0
     return DEFAULT_DRAFTER_VOCAB if size > DEFAULT_DRAFTER_VOCAB else 0
 
 

@@ -52,7 +52,7 @@ def generate(
                          dtype, base)
     res.options.check()
     prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
-    need_drafter = res.options.draft in ("auto", "rnn", "rnn+lookup", "lookup-else-rnn", "medusa", "semi_ar")
+    need_drafter = "rnn" in res.options.draft or res.options.draft in ("auto", "medusa", "semi_ar")
     runner = api.load(model, drafter if need_drafter else "none", res.dtype)
     if res.options.draft == "auto":
         from mlx_redrafter.chat import drafting_fallback
