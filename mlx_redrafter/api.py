@@ -246,24 +246,22 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
     mode = draft_mode(runner, options)
     if mode == "none":
         return None
-    slots = []
-    rnn = Slot(RnnSource(runner.drafter, runner.target.model.embed, head_rows(runner, options)), options.beam_width,
-               backs_up="lookup" if mode == "lookup-else-rnn" else None) if "rnn" in mode else None
-    if rnn is not None and rnn.backs_up is None:
-        slots.append(rnn)
+    drafted, copied = [], []  # plan order = candidate order: lookup first where it is the primary source
+    if "rnn" in mode:
+        drafted.append(Slot(RnnSource(runner.drafter, runner.target.model.embed, head_rows(runner, options)),
+                            options.beam_width, backs_up="lookup" if mode == "lookup-else-rnn" else None))
     if mode == "medusa":
         medusa = MedusaSource(runner.drafter, options.medusa_tree)
-        slots.append(Slot(medusa, medusa.num_paths(options.beam_length)))
+        drafted.append(Slot(medusa, medusa.num_paths(options.beam_length)))
     if mode == "semi_ar":
-        slots.append(Slot(SemiARSource(runner.drafter, runner.target.model.embed), options.beam_width))
+        drafted.append(Slot(SemiARSource(runner.drafter, runner.target.model.embed), options.beam_width))
     if "lookup" in mode:
-        slots.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup]), options.lookup_width))
+        copied.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup]), options.lookup_width))
         table = answer_table(runner.target) if options.answers_width > 0 else None
         if table is not None:
-            slots.append(Slot(LookupSource(partial(AnswerIndex, table), "answers"), options.answers_width,
-                              backs_up="lookup"))
-    if rnn is not None and rnn.backs_up:  # after lookup (and the answer table): it fills their silent steps
-        slots.append(rnn)
+            copied.append(Slot(LookupSource(partial(AnswerIndex, table), "answers"), options.answers_width,
+                               backs_up="lookup"))
+    slots = copied + drafted if mode == "lookup-else-rnn" else drafted + copied
     return Allocator(slots, adaptive=options.adaptive)
 
 

@@ -107,15 +107,17 @@ class Slot:
 
 
 def propose(plan: list[Slot], state: DecodeState, length: int) -> list[tuple[str, mx.array]]:
-    """(source name, candidates (n, L)) of every slot that proposes this step, in plan order."""
-    out: list[tuple[str, mx.array]] = []
-    for slot in plan:
-        if slot.width <= 0 or any(name == slot.backs_up for name, _ in out):
+    """(source name, candidates (n, L)) of every slot that proposes this step, in plan order. Backup slots are
+    asked after the others, wherever they stand in the plan (one level: a backup does not back up a backup)."""
+    got: dict[int, mx.array] = {}
+    for i in sorted(range(len(plan)), key=lambda i: plan[i].backs_up is not None):
+        slot = plan[i]
+        if slot.width <= 0 or any(plan[j].source.name == slot.backs_up for j in got):
             continue
         c = slot.source.propose(state, length, slot.width)
         if c is not None:
-            out.append((slot.source.name, c))
-    return out
+            got[i] = c
+    return [(plan[i].source.name, got[i]) for i in sorted(got)]
 
 
 class Allocator:

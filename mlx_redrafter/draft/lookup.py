@@ -17,6 +17,7 @@ what it writes next here; it backs up context lookup (it proposes in steps where
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -189,10 +190,10 @@ class AnswerIndex:
 
     def __init__(self, table: AnswerTable):
         self.table = table
-        self.tokens: list[int] = []
+        self.tokens: deque[int] = deque(maxlen=table.max_n)  # the context's last max_n tokens
 
     def extend(self, tokens: list[int]) -> None:
-        self.tokens = (self.tokens + list(tokens))[-self.table.max_n :]
+        self.tokens.extend(tokens)
 
     def candidates(self, max_len: int, width: int) -> list[list[int]]:
-        return self.table.candidates(self.tokens, max_len, width)
+        return self.table.candidates(list(self.tokens), max_len, width)
