@@ -11,7 +11,13 @@ import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import typer
 
 from mlx_redrafter.cmd import common as c
-from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, DEFAULT_DRAFTER_VOCAB, QUICK_GRID
+from mlx_redrafter.defaults import (
+    BENCH_GRID,
+    DEFAULT_ANSWERS_WIDTH,
+    DEFAULT_DRAFTER_VOCAB,
+    DEFAULT_LOOKUP_MAX_LENGTH,
+    QUICK_GRID,
+)
 from mlx_redrafter.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -74,6 +80,8 @@ def sweep(
     drafter_vocabs: str | None = typer.Option(None, help="Drafter head rows of the rnn modes, comma-separated "
                                               f"(0 = the whole head; e.g. 0,4096) [{DEFAULT_DRAFTER_VOCAB} where the "
                                               "head is frequency-ordered and larger, else all]."),
+    lookup_max_lengths: str = typer.Option(str(DEFAULT_LOOKUP_MAX_LENGTH), help="Longest lookup copies of the lookup "
+                                           "modes, comma-separated (e.g. 0,9: fixed-length copies vs growing)."),
     drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup, lookup-else-rnn "
                                                  "(default: all four with a drafter, else lookup)."),
     dtypes: str = typer.Option("auto", help="Comma-separated dtypes. " + c.DTYPE_HELP),
@@ -104,6 +112,7 @@ def sweep(
         lengths=c.int_list(lengths, "--lengths") if lengths else list(grid["lengths"]),
         answers_widths=c.int_list(answers_widths, "--answers-widths"),
         drafter_vocabs=c.int_list(drafter_vocabs, "--drafter-vocabs") if drafter_vocabs else [None],
+        lookup_max_lengths=c.int_list(lookup_max_lengths, "--lookup-max-lengths"),
         max_tokens=grid["max_tokens"] if max_tokens is None else max_tokens,
         num_prompts=grid["num_prompts"] if num_prompts is None else num_prompts, prompts_file=prompts_file,
         repeats=grid["repeats"] if repeats is None else repeats, mlx_lm=mlx_lm, profile=profile)

@@ -22,7 +22,8 @@ def save_report(out_dir: Path, stem: str, report: dict[str, Any], markdown: Call
 
 COLUMNS = [
     "device", "model", "drafter", "dtype", "config", "decoder", "draft", "beam_width", "beam_length", "lookup_width",
-    "lookup", "answers_width", "drafter_vocab", "temperature", "accept", "prompt_id", "category", "prompt_tokens",
+    "lookup", "answers_width", "drafter_vocab", "lookup_max_length", "temperature", "accept", "prompt_id", "category",
+    "prompt_tokens",
     "generated_tokens", "steps", "tokens_per_step", "rnn_tokens_per_step", "lookup_tokens_per_step",
     "answers_tokens_per_step", "verified_tokens", "candidate_tokens", "prefill_s", "decode_s", "decode_s_min",
     "decode_s_max", "decode_s_runs", "repeats", "decode_tokens_per_s", "ar_decode_tokens_per_s",
@@ -112,7 +113,8 @@ def readme(meta: dict[str, Any]) -> str:
     for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], b.get("accept", ""),
                                                  -b["speedup_vs_ar"])):
         width = cell_width(b)
-        extras = [f"{name} {b[k]}" for k, name in (("answers_width", "answers"), ("drafter_vocab", "head rows"))
+        extras = [f"{name} {b[k]}" for k, name in (("answers_width", "answers"), ("drafter_vocab", "head rows"),
+                                                          ("lookup_max_length", "copies up to"))
                   if b.get(k)]
         draft = b["draft"] + (f" ({', '.join(extras)})" if extras else "")
         lines.append(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, WARMUP_TOKENS
+from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, DEFAULT_LOOKUP_MAX_LENGTH, WARMUP_TOKENS
 from mlx_redrafter.errors import UserError
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -30,6 +30,7 @@ class BenchSpec:
     lengths: list[int] = field(default_factory=lambda: list(BENCH_GRID["lengths"]))
     answers_widths: list[int] = field(default_factory=lambda: [DEFAULT_ANSWERS_WIDTH])  # per lookup cell
     drafter_vocabs: list[int | None] = field(default_factory=lambda: [None])  # per rnn cell; None: the default
+    lookup_max_lengths: list[int] = field(default_factory=lambda: [DEFAULT_LOOKUP_MAX_LENGTH])  # per lookup cell
     max_tokens: int = BENCH_GRID["max_tokens"]
     num_prompts: int = BENCH_GRID["num_prompts"]
     prompts_file: Path | None = None
@@ -76,7 +77,8 @@ def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
         names = {c.name for c in configs}  # AR at T runs once, whatever the rules compared at T
         configs += [c for c in sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s,
                                                       answers_widths=tuple(spec.answers_widths),
-                                                      drafter_vocabs=tuple(spec.drafter_vocabs))
+                                                      drafter_vocabs=tuple(spec.drafter_vocabs),
+                                                      lookup_max_lengths=tuple(spec.lookup_max_lengths))
                     if c.name not in names]
     if spec.mlx_lm:
         from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs

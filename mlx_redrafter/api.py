@@ -21,6 +21,7 @@ from mlx_redrafter.defaults import (
     DEFAULT_BEAM_LENGTH,
     DEFAULT_BEAM_WIDTH,
     DEFAULT_DRAFTER_VOCAB,
+    DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
 )
 from mlx_redrafter.draft.kinds import NAMES as KIND_NAMES
@@ -70,6 +71,7 @@ class DecodeOptions:
     lookup_width: int = DEFAULT_LOOKUP_WIDTH  # candidates copied from the context
     answers_width: int = DEFAULT_ANSWERS_WIDTH  # with lookup: from the answer table where the context has none
     drafter_vocab: int | None = None  # rnn: draft from the head's N most frequent tokens (0 = all; see head_rows)
+    lookup_max_length: int = DEFAULT_LOOKUP_MAX_LENGTH  # a fully accepted lookup copy grows up to this (LookupSource)
     lookup: str = "ngram"  # lookup index: ngram (prompt lookup) or suffix (suffix automaton)
     max_tokens: int = 256
     sampling: Sampling = GREEDY
@@ -93,6 +95,9 @@ class DecodeOptions:
                 raise UserError(f"--lookup-width must be >= 1 (got {self.lookup_width})")
             if self.answers_width < 0:
                 raise UserError(f"--answers-width must be >= 0 (0 = off; got {self.answers_width})")
+            if self.lookup_max_length < 0:
+                raise UserError(f"--lookup-max-length must be >= 0 (at most --beam-length: copies do not grow; "
+                                f"got {self.lookup_max_length})")
             if self.drafter_vocab is not None and self.drafter_vocab < 0:
                 raise UserError(f"--drafter-vocab must be >= 0 (0 = the drafter's whole head; "
                                 f"got {self.drafter_vocab})")
@@ -256,7 +261,8 @@ def make_allocator(runner: Runner, options: DecodeOptions) -> Allocator | None:
     if mode == "semi_ar":
         drafted.append(Slot(SemiARSource(runner.drafter, runner.target.model.embed), options.beam_width))
     if "lookup" in mode:
-        copied.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup]), options.lookup_width))
+        copied.append(Slot(LookupSource(LOOKUP_INDEXES[options.lookup], max_length=options.lookup_max_length),
+                           options.lookup_width))
         table = answer_table(runner.target) if options.answers_width > 0 else None
         if table is not None:
             copied.append(Slot(LookupSource(partial(AnswerIndex, table), "answers"), options.answers_width,
@@ -310,6 +316,7 @@ def settings(runner: Runner, options: DecodeOptions) -> dict:
         "beam_length": options.beam_length if mode != "none" else 0,
         "lookup_width": options.lookup_width if "lookup" in mode else 0,
         "lookup": options.lookup if "lookup" in mode else "none",
+        "lookup_max_length": max(options.lookup_max_length, options.beam_length) if "lookup" in mode else 0,
         "answers_width": options.answers_width if "lookup" in mode and answer_table(runner.target) else 0,
         "drafter_vocab": head_rows(runner, options) if "rnn" in mode else 0,
         **options.sampling.as_dict(), "device": str(mx.default_device()),

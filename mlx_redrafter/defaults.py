@@ -11,6 +11,9 @@ DEFAULT_ANSWERS_WIDTH = 0
 # Rows of the recurrent drafter's vocabulary head used when drafting, where its head is frequency-ordered and
 # larger (its most frequent tokens): same tokens per call, a cheaper head (bench/results/cpu-avx2/README.md).
 DEFAULT_DRAFTER_VOCAB = 4096
+# Longest candidate (g0 included) a context-lookup copy grows to while every copied token keeps being accepted
+# (twice as many copied tokens per fully accepted step; bench/results/cpu-avx2/lookup-growth.md).
+DEFAULT_LOOKUP_MAX_LENGTH = 9
 
 # Sweep grids: `make bench` (full and --quick) and `redrafter-mlx tune`.
 BENCH_GRID = {"widths": [1, 2, 4], "lengths": [2, 3, 4, 5], "num_prompts": 8, "max_tokens": 128, "repeats": 1}

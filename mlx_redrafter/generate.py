@@ -17,7 +17,7 @@ from mlx_redrafter.accept import truncate_at_eos
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling
-from mlx_redrafter.sources import Allocator, DecodeState
+from mlx_redrafter.sources import Allocator, DecodeState, longest
 from mlx_redrafter.step import ar_step, prefill, speculative_step
 
 
@@ -151,8 +151,9 @@ def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, 
                          max_tokens: int = 256, eos_ids: list[int] = (), sampling: Sampling = GREEDY,
                          stats: Stats | None = None, cache: KVCache | None = None, history: list[int] = (),
                          profile: bool = False) -> Iterator[list[int]]:
-    """Speculative decoding with the allocator's draft sources; candidates are `length` tokens (g0 included)."""
-    budget = sum(s.width for s in allocator.slots) * length
+    """Speculative decoding with the allocator's draft sources; candidates are `length` tokens (g0 included; a
+    growing lookup copy may be longer)."""
+    budget = sum(s.width * longest(s, length) for s in allocator.slots)
     s = _start(model, prompt, cache, budget, max_tokens, stats, sampling, eos_ids)
     cache, stats, rng, emit, first = s.cache, s.stats, s.rng, s.emit, s.first
     t_start = time.perf_counter()

@@ -2,8 +2,9 @@
 
 A source proposes candidates for the next step: an int32 array (n, L) whose column 0 is the token the target
 already decided (g0) and whose other columns are guesses; a candidate that ends early is padded with
-`tree.PAD`. The decode step merges the candidates of every source, packs them into one tree, verifies them in
-one target call and keeps the longest accepted run, whichever source proposed it.
+`tree.PAD`; L is the step's length (context lookup may propose longer copies: `LookupSource`). The decode step
+merges the candidates of every source, packs them into one tree, verifies them in one target call and keeps the
+longest accepted run, whichever source proposed it.
 
 Sources here: `RnnSource` (ReDrafter's recurrent head + beam search) and `LookupSource` (copies from the
 context, see lookup.py). Medusa heads (`medusa.MedusaSource`: a static tree as PAD-padded root-to-leaf paths)
@@ -71,28 +72,46 @@ class RnnSource:
 
 
 class LookupSource:
-    """Training-free drafts copied from the context (an index of lookup.py kept in step with the tokens)."""
+    """Training-free drafts copied from the context (an index of lookup.py kept in step with the tokens).
+
+    With `max_length` above the step's length, a copy that keeps being accepted grows: after a step that accepted
+    every token this source proposed, its next candidates may copy twice as many, up to `max_length` tokens
+    (g0 included); any other step sets them back to the step's length (long copies only where the text is
+    being copied).
+    """
 
     optional = True  # may sit out (Allocator) when it keeps finding nothing worth verifying
 
-    def __init__(self, index_factory: Callable[[], object], name: str = "lookup"):
-        self.factory, self.name = index_factory, name
+    def __init__(self, index_factory: Callable[[], object], name: str = "lookup", max_length: int = 0):
+        self.factory, self.name, self.max_length = index_factory, name, max_length
         self.index = index_factory()
+        self.proposed: list[list[int]] = []  # the drafts of this step's candidates
+        self.asked = 0  # drafts this step's candidates could have had
+        self.grown = 0  # drafts the next step may ask for (0: the step's length)
 
     def start(self, tokens: list[int]) -> None:
         self.index = self.factory()
         self.index.extend(tokens)
+        self.proposed, self.grown = [], 0
 
     def extend(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
+        copied = any(len(c) == self.asked and tokens[: len(c)] == c for c in self.proposed)
+        self.grown = 2 * self.asked if copied else 0
+        self.proposed = []
+
+    def longest(self, length: int) -> int:
+        """The longest candidates (g0 included) this source proposes in steps of `length`."""
+        return max(length, self.max_length)
 
     def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
-        cands = self.index.candidates(length - 1, width)
-        if not cands:
+        self.asked = min(max(length - 1, self.grown), self.longest(length) - 1)
+        self.proposed = self.index.candidates(self.asked, width)
+        if not self.proposed:
             return None
         from mlx_redrafter.tree import PAD
 
-        rows = [[state.tokens[-1], *c] + [PAD] * (length - 1 - len(c)) for c in cands]
+        rows = [[state.tokens[-1], *c] + [PAD] * (self.asked - len(c)) for c in self.proposed]
         return mx.array(rows, dtype=mx.int32)
 
 
@@ -104,6 +123,12 @@ class Slot:
     source: DraftSource
     width: int
     backs_up: str | None = None
+
+
+def longest(slot: Slot, length: int) -> int:
+    """The longest candidates (g0 included) a slot proposes in steps of `length` (only lookup's may be longer)."""
+    grows = getattr(slot.source, "longest", None)
+    return grows(length) if grows is not None else length
 
 
 def propose(plan: list[Slot], state: DecodeState, length: int) -> list[tuple[str, mx.array]]:

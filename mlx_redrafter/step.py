@@ -70,6 +70,9 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     parts, names = [c for _, c in proposals], [(name, c.shape[0]) for name, c in proposals]
     if not parts:  # nothing to propose: verify g0 alone (an autoregressive step)
         parts = [mx.concatenate([state.g0.astype(mx.int32), mx.full((length - 1,), PAD, dtype=mx.int32)])[None]]
+    width = max(c.shape[1] for c in parts)  # a growing lookup copy may be longer than `length`
+    parts = [c if c.shape[1] == width else mx.pad(c, [(0, 0), (0, width - c.shape[1])], constant_values=PAD)
+             for c in parts]
     cands = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
     clock.lap("draft", cands)
     tree = pack(cands)  # pack (syncs once: the packed size)

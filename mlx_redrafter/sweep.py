@@ -23,6 +23,7 @@ from mlx_redrafter.api import DRAFT_MODES, HEAD_MODES, DecodeOptions, Runner, en
 from mlx_redrafter.api import decode as api_decode
 from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
+    DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
     SWEEP_DRAFTS,
     TUNE_MIN_SPEEDUP,
@@ -66,26 +67,28 @@ def config_name(draft: str, width: int = 0, length: int = 0, sampling: Sampling 
 def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_tokens: int,
                  sampling: Sampling = GREEDY, lookup_width: int = DEFAULT_LOOKUP_WIDTH,
                  answers_widths: tuple[int, ...] = (DEFAULT_ANSWERS_WIDTH,),
-                 drafter_vocabs: tuple[int | None, ...] = (None,)) -> list[Config]:
+                 drafter_vocabs: tuple[int | None, ...] = (None,),
+                 lookup_max_lengths: tuple[int, ...] = (DEFAULT_LOOKUP_MAX_LENGTH,)) -> list[Config]:
     """AR plus every draft mode x width x length. The width is W for the modes with 'rnn' (whose lookup width
     stays `lookup_width`) and 'semi_ar', the lookup width for 'lookup', and the number of nodes of Medusa's
     tree (the first W nodes of mc_sim_7b_63) for 'medusa'. Modes with lookup run once per answer-table width
-    (names get '-aK' where K is not the default), modes with rnn once per drafter vocabulary (None: the default;
-    else names get '-vN')."""
+    (names get '-aK' where K is not the default) and per longest lookup copy ('-mN' where N is not the default),
+    modes with rnn once per drafter vocabulary (None: the default; else names get '-vN')."""
     base = DecodeOptions(draft="none", max_tokens=max_tokens, sampling=sampling)
     configs = [Config(config_name("none", sampling=sampling), base)]
     for draft in drafts:
         for w in widths:
             for length in lengths:
-                for a, v in product(answers_widths if "lookup" in draft else (DEFAULT_ANSWERS_WIDTH,),
-                                    drafter_vocabs if "rnn" in draft else (None,)):
+                for a, m, v in product(answers_widths if "lookup" in draft else (DEFAULT_ANSWERS_WIDTH,),
+                                       lookup_max_lengths if "lookup" in draft else (DEFAULT_LOOKUP_MAX_LENGTH,),
+                                       drafter_vocabs if "rnn" in draft else (None,)):
                     opts = replace(base, draft=draft, beam_width=w if "rnn" in draft or draft == "semi_ar" else 1,
                                    beam_length=length, lookup_width=w if draft == "lookup" else lookup_width,
-                                   answers_width=a, drafter_vocab=v,
+                                   answers_width=a, drafter_vocab=v, lookup_max_length=m,
                                    medusa_tree=f"mc_sim_7b_63:{w}" if draft == "medusa" else base.medusa_tree)
                     opts.check()
                     suffix = (f"-a{a}" if a != DEFAULT_ANSWERS_WIDTH else "") + (
-                        f"-v{v}" if v is not None else "")
+                        f"-m{m}" if m != DEFAULT_LOOKUP_MAX_LENGTH else "") + (f"-v{v}" if v is not None else "")
                     configs.append(Config(config_name(draft, w, length, sampling) + suffix, opts))
     return configs
 
@@ -270,6 +273,7 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
     rec["medusa_tree"] = rs[0].get("medusa_tree", "")
     rec["answers_width"] = rs[0].get("answers_width", 0)
     rec["drafter_vocab"] = rs[0].get("drafter_vocab", 0)
+    rec["lookup_max_length"] = rs[0].get("lookup_max_length", 0)
     rec["accept"] = rs[0].get("accept", "greedy")  # greedy, exact or typical
     rec.update({
         "prompts": len(rs), "tokens_per_step": _mean([r["tokens_per_step"] for r in rs]),

@@ -27,6 +27,11 @@ COPY_TRAPS = [
 ]
 
 
+# Text the model copies: lookup's copies are accepted whole and grow.
+COPY_PROMPT = ("Copy this text exactly, word for word: The old lighthouse keeper climbed the narrow stairs every "
+               "evening, lit the great lamp, and watched the ships pass safely through the rocky strait until dawn.")
+
+
 @pytest.fixture(scope="module")
 def drafter():
     return random_drafter(576, 49152, seed=0, exit_dim=128, draft_vocab_size=4096)
@@ -85,6 +90,18 @@ def test_lookup_with_the_answer_table_equals_autoregressive(target, prompts, ar_
                                      Slot(LookupSource(lambda: AnswerIndex(table), "answers"), 2,
                                           backs_up="lookup")]), 5)
     assert stats.source_proposed["answers"] > 0
+
+
+def test_growing_lookup_copies_equal_autoregressive(target, prompts, ar_outputs, drafter):
+    """--lookup-max-length: a copy that was accepted whole is followed by one twice as long (here up to 13 tokens
+    at L = 3), with the drafter backing up lookup; the copy prompt makes the copies grow."""
+    tok = target.tokenizer
+    copy = tok.encode_chat([{"role": "user", "content": COPY_PROMPT}])
+    ps, ars = [*prompts, copy], [*ar_outputs, ar_tokens(target.model, copy, MAX_TOKENS, tok.eos_ids)]
+    stats = check(target, ps, ars,
+                  lambda: Allocator([Slot(LookupSource(NgramIndex, max_length=13), 1),
+                                     Slot(RnnSource(drafter, target.model.embed), 2, backs_up="lookup")]), 3)
+    assert max(stats.accepted_hist) > 2  # the copy prompt's last run: more drafts accepted in a step than L - 1
 
 
 def test_drafter_backing_up_lookup_with_a_cut_head_equals_autoregressive(target, prompts, ar_outputs, drafter):

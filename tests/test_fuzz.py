@@ -43,11 +43,12 @@ def test_random_cases_never_diverge(target, chat_ids):
         p_idx, n_tok = rng.randrange(len(prompts)), rng.choice([8, 16, 24])
         index = rng.choice([NgramIndex, SuffixIndex])
         rows = rng.choice([0, 64, 512]) if shape[1] else 0  # --drafter-vocab: the head cut to its first rows
+        grow = rng.choice([0, 0, 9, 17])  # --lookup-max-length: copies grow while fully accepted
         backup = K > 0 and rng.random() < 0.3  # lookup-else-rnn: the drafter only where lookup has nothing
         rnn = Slot(RnnSource(drafter, model.embed, rows), W, backs_up="lookup" if backup else None)
         slots = [] if rng.random() < 0.15 and K or backup else [rnn]
         if K:
-            slots.append(Slot(LookupSource(index), K))
+            slots.append(Slot(LookupSource(index, max_length=grow), K))
             if rng.random() < 0.5:  # the answer table, backing up context lookup
                 slots.append(Slot(LookupSource(lambda: AnswerIndex(table), "answers"), rng.choice([1, 2]),
                                   backs_up="lookup"))
@@ -63,7 +64,7 @@ def test_random_cases_never_diverge(target, chat_ids):
             if problem is not None:
                 failures += 1
                 print(f"case {case}: seed {seed} shape {shape} rows {rows} backup {backup} W={W} L={L} lookup {K} "
-                      f"{index.__name__} prompt {p_idx}: {problem}")
+                      f"{index.__name__} grow {grow} prompt {p_idx}: {problem}")
         if (case + 1) % 50 == 0:
             print(f"fuzz: {case + 1} cases, {failures} divergences, {ties} proven ties, {time.time() - t0:.0f} s",
                   flush=True)

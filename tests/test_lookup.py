@@ -63,6 +63,29 @@ def test_answer_table_copies_the_most_frequent_continuation():
     assert AnswerIndex(table).candidates(3, 1) == []  # an empty context
 
 
+def test_a_lookup_copy_grows_while_every_copied_token_is_accepted():
+    import mlx.core as mx
+
+    from mlx_redrafter.sources import DecodeState, LookupSource
+
+    src = LookupSource(NgramIndex, max_length=9)
+    tokens = [50, *range(1, 15), 99, 1]  # the context ends with 1: copy what followed the earlier 1
+
+    def step(decided: list[int] | None = None) -> list[int]:
+        if decided:
+            tokens.extend(decided)
+            src.extend(decided)
+        state = DecodeState(tokens=tokens, g0=mx.array([tokens[-1]]), h=mx.zeros((1, 4)))
+        return src.propose(state, 3, 1)[0].tolist()
+
+    src.start(tokens)
+    assert step() == [1, 2, 3]  # the step's length: 2 drafts
+    assert step([2, 3, 4]) == [4, 5, 6, 7, 8]  # both accepted: 4 drafts
+    assert step([5, 6, 7, 8, 9]) == [9, 10, 11, 12, 13, 14, 99, 1, 2]  # all 4 accepted: 8 (capped at 9 - 1)
+    assert step([10, 11, 50]) == [50, 1, 2]  # a draft rejected: back to the step's length
+    assert LookupSource(NgramIndex, max_length=2).longest(3) == 3  # below the step's length: never shorter
+
+
 def test_a_backup_source_proposes_only_when_the_one_it_backs_up_has_nothing():
     import mlx.core as mx
 

@@ -92,6 +92,7 @@ def chat(
     lookup: str = c.Lookup,
     answers_width: int = c.AnswersWidth,
     drafter_vocab: int | None = c.DrafterVocab,
+    lookup_max_length: int = c.LookupMaxLength,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most new tokens per answer."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
     temp: float = c.Temp, top_p: float = c.TopP, top_k: int = c.TopK, min_p: float = c.MinP,
@@ -113,6 +114,7 @@ def chat(
         c.fail(f"--max-tokens must be >= 1 (got {max_tokens})")
     sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
     base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, drafter_vocab=drafter_vocab,
+                             lookup_max_length=lookup_max_length,
                              max_tokens=max_tokens, sampling=sampling)
     res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width),
                          dtype, base)

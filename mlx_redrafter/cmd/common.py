@@ -8,7 +8,12 @@ from typing import Any
 
 import typer
 
-from mlx_redrafter.defaults import DEFAULT_ANSWERS_WIDTH, DEFAULT_BEAM_LENGTH, DEFAULT_DRAFTER_VOCAB
+from mlx_redrafter.defaults import (
+    DEFAULT_ANSWERS_WIDTH,
+    DEFAULT_BEAM_LENGTH,
+    DEFAULT_DRAFTER_VOCAB,
+    DEFAULT_LOOKUP_MAX_LENGTH,
+)
 from mlx_redrafter.errors import UserError
 
 MODEL_HELP = ("Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded "
@@ -94,6 +99,10 @@ DrafterVocab = typer.Option(None, "--drafter-vocab",
                             help="Recurrent drafter: draft from only the N most frequent tokens of its head (a "
                                  f"cheaper head; exact either way; 0 = all) \\[{DEFAULT_DRAFTER_VOCAB} where the "
                                  "head is frequency-ordered and larger, else all].")
+LookupMaxLength = typer.Option(DEFAULT_LOOKUP_MAX_LENGTH, "--lookup-max-length",
+                               help="With lookup: after a step that accepted every copied token, the next copy may "
+                                    "be twice as long, up to this many tokens incl. the first (<= --beam-length: "
+                                    f"copies keep the beam length) \\[{DEFAULT_LOOKUP_MAX_LENGTH}].")
 Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), "
                                                 "suffix (suffix automaton), suffix2 (matches of >= 2 tokens).")
 Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")

@@ -27,6 +27,7 @@ def generate(
     lookup: str = c.Lookup,
     answers_width: int = c.AnswersWidth,
     drafter_vocab: int | None = c.DrafterVocab,
+    lookup_max_length: int = c.LookupMaxLength,
     medusa_tree: str | None = c.MedusaTree,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most new tokens per prompt."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
@@ -46,6 +47,7 @@ def generate(
         raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
     sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
     base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, drafter_vocab=drafter_vocab,
+                             lookup_max_length=lookup_max_length,
                              max_tokens=max_tokens, sampling=sampling)
     res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width,
                                                          medusa_tree),
