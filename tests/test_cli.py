@@ -42,6 +42,7 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--model", "no-such-alias"], ["unknown model"]),
         (["-p", "hi", "--drafter", "/nonexistent/drafter"], ["drafter", "does not exist"]),
         (["-p", "hi", "--draft", "lookup-else-rnn", "--drafter-vocab", "9000"], ["--drafter-vocab", "8192"]),
+        (["-p", "hi", "--lookup-max-length", "-1"], ["--lookup-max-length", ">= 0"]),
     ],
 )
 def test_bad_arguments(args, needles):

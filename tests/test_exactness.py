@@ -8,6 +8,7 @@ Acceptance must not matter for correctness, so random drafters are used; the shi
 import pytest
 from exactness import ar_tokens, divergence, speculative_tokens
 
+from mlx_redrafter.defaults import DEFAULT_LOOKUP_MAX_LENGTH
 from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
 from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats
@@ -155,6 +156,7 @@ def test_lookup_else_rnn_through_the_api(target, prompts, ar_outputs, shipped):
     res = api.generate(runner, prompts[0], opts)
     assert res.tokens == ar_outputs[0]
     assert res.settings["draft"] == "lookup-else-rnn" and res.settings["drafter_vocab"] == 4096
+    assert slots[0].source.max_length == res.settings["lookup_max_length"] == DEFAULT_LOOKUP_MAX_LENGTH
 
 
 def test_continuing_a_conversation_reuses_the_cache(target, chat_ids, drafter):
