@@ -105,11 +105,12 @@ def readme(meta: dict[str, Any]) -> str:
              f"{m['os_pretty']}, MLX {m['mlx']} ({m['backend']}), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}, "
              f"Python {m['python']}.", "",
              "Best cell per draft mode (speedup = mean over prompts of decode tok/s over our AR's on the same prompt; "
-             "prefill excluded; width = W for rnn modes and semi_ar, lookup width for lookup, tree nodes for "
-             "medusa):", "",
+             "also their median, and pooled: our AR's time for the same tokens over the cell's, all prompts "
+             "together; prefill excluded; width = W for rnn modes and semi_ar, lookup width for lookup, tree nodes "
+             "for medusa):", "",
              "| draft | dtype | T | accept | width | L | tokens/step | decode tok/s | our AR tok/s | mlx-lm tok/s "
-             "| vs AR | vs mlx-lm | ids = AR |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs AR | median | pooled | vs mlx-lm | ids = AR |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], b.get("accept", ""),
                                                  -b["speedup_vs_ar"])):
         width = cell_width(b)
@@ -122,6 +123,7 @@ def readme(meta: dict[str, Any]) -> str:
             f"| {b['beam_length']} | "
             f"{b['tokens_per_step']:.2f} | {b['decode_tokens_per_s']:.1f} | {b['ar_decode_tokens_per_s']:.1f} | "
             f"{_f(b.get('mlx_lm_decode_tokens_per_s'), '.1f')} | {b['speedup_vs_ar']:.2f}x | "
+            f"{_f(b.get('speedup_vs_ar_median'), '.2f')}x | {_f(b.get('speedup_vs_ar_pooled'), '.2f')}x | "
             f"{_f(b.get('speedup_vs_mlx_lm'), '.2f')}x | {100 * b['equal_ar']:.0f}% |")
     for s in meta["summary"]:
         if s["decoder"] == "mlx_lm":

@@ -162,7 +162,9 @@ def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = Tr
                                  for i, p in enumerate(prompts)]},
         "quiet": all(s["quiet"] for s in states), "machine_state": states,
         "speedup_definition": "mean over prompts of (decode tokens/s) / (our AR decode tokens/s, same prompt, dtype "
-                              "and temperature); decode excludes prefill and the first token",
+                              "and temperature); decode excludes prefill and the first token; speedup_vs_ar_median: "
+                              "their median; speedup_vs_ar_pooled: our AR's time for the same tokens over the "
+                              "config's, all prompts together",
         "summary": summary, "best": list(best.values()),
     }
     if spec.profile and best:

@@ -254,6 +254,14 @@ def _mean(vals: list[Any]) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def pooled_speedup(rs: list[dict[str, Any]]) -> float:
+    """Our AR's time for the tokens these rows decoded (at its tokens/s on each prompt) over the rows' own time:
+    the speedup over the whole prompt set, where long and slow prompts weigh more than in the mean of ratios."""
+    spent = sum(r["decode_s"] for r in rs)
+    ar_time = sum((r["generated_tokens"] - 1) / r["ar_decode_tokens_per_s"] for r in rs if r["ar_decode_tokens_per_s"])
+    return ar_time / spent if spent > 0 else float("nan")
+
+
 def summarize(rows: list[dict[str, Any]], extra_means: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """One record per (dtype, configuration) from the rows' median repeats: means over prompts (a speedup is the
     mean of per-prompt ratios), per-step costs pooled over prompts, `decode_spread` the mean (max - min) / median
@@ -280,6 +288,8 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
         "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in rs]),
         "ar_decode_tokens_per_s": _mean([r["ar_decode_tokens_per_s"] for r in rs]),
         "speedup_vs_ar": _mean([r["speedup_vs_ar"] for r in rs]),
+        "speedup_vs_ar_median": statistics.median([float(r["speedup_vs_ar"]) for r in rs]),
+        "speedup_vs_ar_pooled": pooled_speedup(rs),
         **{k: _mean([r[k] for r in rs]) for k in extra_means},
         "equal_ar": sum(bool(r["equal_ar"]) for r in rs) / len(rs),
         "match_ar": _mean([r["match_ar"] for r in rs]),

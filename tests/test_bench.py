@@ -52,6 +52,8 @@ def test_tiny_sweep_writes_everything(tmp_path):
     assert meta["settings"]["widths"] == [1] and meta["settings"]["num_prompts"] == 1
     assert sorted(b["draft"] for b in meta["best"]) == ["lookup", "rnn"]
     assert {s["config"] for s in meta["summary"]} == {r["config"] for r in rows}
+    ar = next(s for s in meta["summary"] if s["config"] == "ar")
+    assert ar["speedup_vs_ar"] == ar["speedup_vs_ar_median"] == 1.0 and abs(ar["speedup_vs_ar_pooled"] - 1) < 1e-9
     assert meta["profile"]["steps"] > 0 and {"draft", "verify", "commit"} <= set(meta["profile"]["phase_ms_per_step"])
     for key in ("speedup", "tokens_per_step", "time_split"):
         assert (out / res["files"][key]).read_bytes()[:4] == b"\x89PNG"
@@ -100,3 +102,12 @@ def test_bench_is_a_repo_tool_not_installed():
     find = re.search(r"\[tool\.setuptools\.packages\.find\]\s*include = (\[[^\]]*\])", text)
     assert find and "mlx_redrafter*" in find.group(1) and "bench" not in find.group(1)
     assert sys.modules["bench"].__file__.startswith(str(ROOT / "bench"))
+
+
+def test_pooled_speedup_weighs_prompts_by_time():
+    """A short prompt at 2x and a long one at 1x: the mean of ratios says 1.5x, the whole set ran 1.05x faster."""
+    from mlx_redrafter.sweep import pooled_speedup
+
+    rows = [{"generated_tokens": 11, "decode_s": 0.5, "ar_decode_tokens_per_s": 10.0},  # 10 tokens: AR 1 s
+            {"generated_tokens": 101, "decode_s": 10.0, "ar_decode_tokens_per_s": 10.0}]  # 100 tokens: AR 10 s
+    assert abs(pooled_speedup(rows) - 11 / 10.5) < 1e-12
