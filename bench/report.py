@@ -23,12 +23,11 @@ def save_report(out_dir: Path, stem: str, report: dict[str, Any], markdown: Call
 COLUMNS = [
     "device", "model", "drafter", "dtype", "config", "decoder", "draft", "beam_width", "beam_length", "lookup_width",
     "lookup", "answers_width", "drafter_vocab", "lookup_max_length", "temperature", "accept", "prompt_id", "category",
-    "prompt_tokens",
-    "generated_tokens", "steps", "tokens_per_step", "rnn_tokens_per_step", "lookup_tokens_per_step",
+    "prompt_tokens", "generated_tokens", "steps", "tokens_per_step", "rnn_tokens_per_step", "lookup_tokens_per_step",
     "answers_tokens_per_step", "verified_tokens", "candidate_tokens", "prefill_s", "decode_s", "decode_s_min",
     "decode_s_max", "decode_s_runs", "repeats", "decode_tokens_per_s", "ar_decode_tokens_per_s",
     "mlx_lm_decode_tokens_per_s", "speedup_vs_ar", "speedup_vs_mlx_lm", "equal_ar", "match_ar", "draft_s", "verify_s",
-    "peak_memory_gb", "stop_reason", "load1_before", "load1_after"
+    "peak_memory_gb", "stop_reason", "load1_before", "load1_after",
 ]
 
 
