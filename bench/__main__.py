@@ -156,15 +156,16 @@ def parity(
 def ablate(
     variants: str = typer.Option("base", help="Comma-separated variant names (see bench/ablate.py VARIANTS), or "
                                               "'all'."),
-    corpus: Path = typer.Option(Path("data/corpus/smollm2-135m"), help="Corpus directory."),
-    features: Path = typer.Option(Path(".cache/features/smollm2-135m"), help="Feature cache."),
+    corpus: Path = typer.Option(Path("data/corpus"), help="Corpus root (the model's corpora live under it)."),
+    features: Path = typer.Option(Path(".cache/features"), help="Feature cache root."),
     runs: Path = typer.Option(Path("runs/ablation"), help="Run directories (resumable)."),
-    device: str = typer.Option("cpu", help="Results go to bench/results/DEVICE/."),
-    steps: int = typer.Option(2000, help="Optimizer steps of every variant (one budget for all)."),
-    eval_prompts: int = typer.Option(24, help="Held-out prompts decoded per variant."),
-    eval_tokens: int = typer.Option(128, help="New tokens per held-out prompt."),
+    device: str = typer.Option("cpu-avx2", help="Results go to bench/results/DEVICE/."),
+    cpu_minutes: float = typer.Option(20.0, help="Training CPU minutes of every variant (one budget for all)."),
+    replay_sequences: int = typer.Option(128, help="Held-out greedy sequences replayed per variant."),
+    eval_prompts: int = typer.Option(16, help="MT-bench first turns decoded per variant (0 = skip)."),
+    eval_tokens: int = typer.Option(128, help="New tokens per sequence."),
 ) -> None:
-    """Drafter recipe ablations (labels, size, draft vocab, T, regularisation, corpus size) on one held-out slice."""
+    """Drafter recipe ablations at equal CPU time (labels, noise, head, size, T, data source and size)."""
     from .ablate import VARIANTS, run_ablation
 
     names = list(VARIANTS) if variants == "all" else [v.strip() for v in variants.split(",") if v.strip()]
@@ -172,8 +173,8 @@ def ablate(
     if unknown:
         raise UserError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     out = Path(__file__).resolve().parent / "results" / device
-    run_ablation(names, corpus, features, runs, out, {"steps": steps}, eval_prompts, eval_tokens,
-                 [(1, 4), (4, 4)], log=lambda m: typer.echo(m, err=True))
+    run_ablation(names, corpus, features, runs, out, cpu_minutes, replay_sequences, eval_prompts, eval_tokens,
+                 log=lambda m: typer.echo(m, err=True))
     typer.echo(f"wrote {out / 'drafter-ablation.md'}")
 
 

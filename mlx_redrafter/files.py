@@ -21,3 +21,18 @@ def write_atomic(path: str | Path, data: str | bytes, mode: int = 0o644) -> Path
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def fsync_tree(folder: str | Path, files: bool = True) -> None:
+    """Flush a directory's files (with `files`) and the directory itself to disk."""
+    folder = Path(folder)
+    if files:
+        for f in folder.iterdir():
+            if f.is_file() and not f.is_symlink():
+                with f.open("rb") as fh:
+                    os.fsync(fh.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -301,24 +301,26 @@ def test_bad_medusa_checkpoints_are_one_line_errors(tmp_path, capsys):
 # --- training every kind with `redrafter-mlx train --kind` ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_corpus(target, tmp_path_factory):
-    from mlx_redrafter.train.corpus import Settings, build
+    from mlx_redrafter.train.distill import grow
+    from mlx_redrafter.train.greedy import GreedySource
+    from mlx_redrafter.train.plan import Settings
 
     root = tmp_path_factory.mktemp("tiny")
     prompts = root / "p.jsonl"
     texts = ["Name a color.", "Say hi.", "Count to three.", "Name a fruit."]
     prompts.write_text("".join(json.dumps({"prompt": p, "source": "oasst"}) + "\n" for p in texts))
     settings = Settings(max_new_tokens=12, shard_size=2, batch_size=2, heldout=2, turn2_every=100)
-    build(target, prompts, root / "c" / target.name, settings, features_dir=root / "f" / target.name,
-          progress=False, log=lambda m: None)
+    grow(GreedySource(target, prompts, settings, capture=True), target, root / "c" / target.name,
+         features_dir=root / "f" / target.name, progress=False, log=lambda m: None)
     return root
 
 
 @pytest.mark.parametrize("kind", ["medusa", "semi_ar_transformer", "semi_ar_lstm"])
 def test_train_each_kind_from_the_command_line(target, tiny_corpus, kind):
     run, out = tiny_corpus / f"run-{kind}", tiny_corpus / f"out-{kind}"
-    args = ["train", "--corpus", str(tiny_corpus / "c"), "--features", str(tiny_corpus / "f"), "--kind", kind,
-            "--steps", "3", "--batch", "16", "--draft-vocab", "256", "--layers", "1", "--draft-len", "3",
-            "--run-dir", str(run), "--output", str(out)]
+    args = ["train", "--corpus", str(tiny_corpus / "c" / target.name), "--features", str(tiny_corpus / "f"),
+            "--kind", kind, "--steps", "3", "--batch", "16", "--draft-vocab", "256", "--layers", "1",
+            "--draft-len", "3", "--run-dir", str(run), "--output", str(out)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads((run / "summary.json").read_text())

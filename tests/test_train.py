@@ -10,10 +10,13 @@ from typer.testing import CliRunner
 from mlx_redrafter.cmd.main import app
 from mlx_redrafter.draft.redrafter import load_drafter, random_drafter, save_drafter
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.train.corpus import Corpus, Settings, build, generate_greedy, load_shard
-from mlx_redrafter.train.features import feature_path, teacher_forced
+from mlx_redrafter.train.corpus import Corpus, load_shard
+from mlx_redrafter.train.distill import grow
+from mlx_redrafter.train.features import feature_paths, teacher_forced
+from mlx_redrafter.train.greedy import GreedySource, generate_greedy
 from mlx_redrafter.train.loop import TrainConfig, train_drafter
 from mlx_redrafter.train.pipeline import prepare
+from mlx_redrafter.train.plan import Settings
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Say hello.", "Count to five.",
            "Tell me a fun fact.", "Name a fruit."]
@@ -27,10 +30,18 @@ def prompts_file(tmp_path_factory):
     return f
 
 
+def build(target, prompts_file, root, settings, features_dir=None, **kw):
+    """Grow a greedy corpus (the target's own answers) at `root`."""
+    source = GreedySource(target, prompts_file, settings, capture=features_dir is not None)
+    return grow(source, target, root, features_dir=features_dir, **kw)
+
+
 @pytest.fixture(scope="module")
 def corpus_dirs(target, prompts_file, tmp_path_factory):
+    """A greedy corpus `c` and its features root `f` (the states generation kept are in f/c)."""
     root = tmp_path_factory.mktemp("corpus")
-    build(target, prompts_file, root / "c", SETTINGS, features_dir=root / "f", progress=False, log=lambda m: None)
+    build(target, prompts_file, root / "c", SETTINGS, features_dir=root / "f" / "c", progress=False,
+          log=lambda m: None)
     return root / "c", root / "f"
 
 
@@ -81,8 +92,8 @@ def test_captured_features_equal_a_teacher_forced_pass(target, corpus_dirs):
     c = Corpus(root)
     for name in sorted(c.entries)[:2]:
         sh = load_shard(root / name)
-        captured = np.load(feature_path(feats, name, c.entries[name]["sha256"])).astype(np.float32)
-        forced = teacher_forced(target.model, sh, target.tokenizer.eos_ids[0]).astype(np.float32)
+        captured = np.load(feature_paths(feats / "c", name, c.entries[name]["sha256"]).hidden).astype(np.float32)
+        forced = teacher_forced(target.model, sh, target.tokenizer.eos_ids[0])[0].astype(np.float32)
         assert captured.shape == forced.shape
         scale = np.abs(forced).max(axis=1, keepdims=True)
         assert (np.abs(captured - forced) <= 2e-3 * scale + 1e-3).all()  # float16 storage, batched vs single
@@ -91,14 +102,19 @@ def test_captured_features_equal_a_teacher_forced_pass(target, corpus_dirs):
 def test_tiny_training_run_learns_and_resumes(target, corpus_dirs, tmp_path):
     root, feats = corpus_dirs
     (tmp_path / "f").symlink_to(feats, target_is_directory=True)
-    tr, ho, used = prepare(target, root, tmp_path / "f", log=lambda m: None)
-    assert used["train_shards"] >= 1 and len(tr) > 0 and len(ho) > 0
+    tr, ho, used = prepare(target, [root], tmp_path / "f", log=lambda m: None)
+    assert used["corpora"]["c"]["train_shards"] >= 1 and len(tr) > 0 and len(ho) > 0
     cfg = TrainConfig(steps=24, batch_size=32, draft_vocab_size=512, num_draft_layers=1, warmup=3, eval_every=12,
                       checkpoint_every=12, lr=3e-3)
     drafter, summary = train_drafter(target, tr, ho, tmp_path / "run", cfg, progress=False, log=lambda m: None)
     hist = summary["history"]
     assert hist[-1]["train_loss"] < hist[0]["train_loss"]
     assert len(hist[-1]["acc"]) == cfg.draft_len
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert ckpt.is_symlink() and {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "optimizer.safetensors",
+                                                                      "trainer_state.json", "config.json"}
+    assert [p.name for p in (tmp_path / "run").glob("ckpt-*")] == [ckpt.resolve().name]  # older ones removed
+    (tmp_path / "run" / "ckpt-9999999").mkdir()  # what an interrupted save leaves: never linked, never read
     loaded = load_drafter(tmp_path / "run" / "checkpoint")
     assert loaded.args.draft_vocab_size == 512 and mx.array_equal(loaded.draft_vocab, drafter.draft_vocab)
     again, _ = train_drafter(target, tr, ho, tmp_path / "run", cfg, progress=False, log=lambda m: None)
@@ -110,7 +126,7 @@ def test_tiny_training_run_learns_and_resumes(target, corpus_dirs, tmp_path):
 
 def test_checkpoint_for_another_model_is_a_one_line_error(target, corpus_dirs, tmp_path):
     root, feats = corpus_dirs
-    tr, ho, _ = prepare(target, root, feats, log=lambda m: None)
+    tr, ho, _ = prepare(target, [root], feats, log=lambda m: None)
     save_drafter(random_drafter(64, 100, seed=0), tmp_path / "run" / "checkpoint")
     (tmp_path / "run" / "checkpoint" / "trainer_state.json").write_text('{"step": 1}')
     with pytest.raises(UserError) as e:

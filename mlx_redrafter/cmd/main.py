@@ -10,7 +10,7 @@ from mlx_redrafter.cmd.chat import chat
 from mlx_redrafter.cmd.common import run_app
 from mlx_redrafter.cmd.generate import generate
 from mlx_redrafter.cmd.quantize import quantize
-from mlx_redrafter.cmd.train import answers, distill, eval_drafter, train
+from mlx_redrafter.cmd.train import answers, distill, eval_drafter, features, train
 from mlx_redrafter.cmd.tune import tune
 from mlx_redrafter.errors import UserError
 
@@ -20,6 +20,7 @@ app.command()(generate)
 app.command()(chat)
 app.command()(tune)
 app.command()(distill)
+app.command()(features)
 app.command()(answers)
 app.command()(train)
 app.command("eval-drafter")(eval_drafter)

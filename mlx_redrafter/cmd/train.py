@@ -16,11 +16,29 @@ DEFAULT_CORPUS = Path("data/corpus")
 DEFAULT_FEATURES = Path(".cache/features")
 
 
+SOURCES = ("greedy", "text", "endpoint")
+
+
+def corpus_dir(corpus: Path, model_name: str, source: str) -> Path:
+    """Where a model's corpus of one source lives: CORPUS/<model> (greedy answers), CORPUS/<model>-<source>."""
+    return corpus / (model_name if source == "greedy" else f"{model_name}-{source}")
+
+
 @c.one_line_errors
 def distill(
+    source: str = typer.Option("greedy", help="Where sequences come from: greedy (the target's own answers), "
+                               "text (fixed prompt/response pairs, --responses), endpoint (an OpenAI-compatible "
+                               "server's answers, --endpoint)."),
     prompts: Path = typer.Option(Path("../shared/data/train_prompts.jsonl"), help="JSONL prompts ({\"prompt\", "
-                                 "\"source\"} per line)."),
-    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root; shards go to CORPUS/<model>/."),
+                                 "\"source\"} per line) for greedy and endpoint."),
+    responses: Path = typer.Option(Path("../shared/data/responses.jsonl"), help="JSONL {\"prompt\", \"response\"} "
+                                   "pairs for --source text."),
+    endpoint: str | None = typer.Option(None, help="Base URL of an OpenAI-compatible server, e.g. "
+                                        "http://127.0.0.1:8080/v1 (implies --source endpoint)."),
+    endpoint_model: str | None = typer.Option(None, help="The model name to ask the endpoint for."),
+    api_key: str | None = typer.Option(None, envvar="OPENAI_API_KEY", help="Bearer token for the endpoint."),
+    concurrency: int = typer.Option(4, help="Endpoint requests in flight at once."),
+    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root; shards go to CORPUS/<model>[-<source>]/."),
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     shards: int | None = typer.Option(None, help="Stop after this many new shards (default: the whole plan)."),
     hours: float | None = typer.Option(None, help="Stop starting new shards after this many hours."),
@@ -31,7 +49,8 @@ def distill(
     worker: str = typer.Option("0/1", help="I/N: make only the shards whose index is I modulo N (run N processes, "
                                "one per core)."),
 ) -> None:
-    """Extend the distillation corpus: the target's greedy answers to the next prompts of the plan.
+    """Extend a corpus: the target's greedy answers to the next prompts of the plan (default), fixed text, or an
+    endpoint's answers.
 
     Resumable (finished shards are kept; a corrupt one is regenerated), batched, float32. Run it in the
     background; stop it any time (Ctrl-C, kill): at most the shard in progress is lost.
@@ -40,21 +59,68 @@ def distill(
 
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.system.blas import set_threads
-    from mlx_redrafter.train.corpus import build
+    from mlx_redrafter.train.distill import check_worker, grow
 
-    try:
-        i, n = (int(v) for v in worker.split("/"))
-        assert 0 <= i < n
-    except (ValueError, AssertionError):
-        raise UserError(f"--worker takes I/N with 0 <= I < N, e.g. 0/2 (got {worker!r})") from None
+    source = "endpoint" if endpoint else source
+    if source not in SOURCES:
+        raise UserError(f"--source must be one of {', '.join(SOURCES)} (got {source!r})")
+    if source == "endpoint" and not endpoint:
+        raise UserError("--source endpoint needs --endpoint URL (e.g. http://127.0.0.1:8080/v1)")
+    i, n = check_worker(worker)
     if nice:
         os.nice(nice)
     set_threads(threads)
     target = load_target(model, "float32")
-    root = corpus / target.name
-    out = build(target, prompts, root, max_shards=shards, hours=hours, features_dir=features / target.name,
-                worker=(i, n))
+    if source == "greedy":
+        from mlx_redrafter.train.greedy import GreedySource
+
+        src = GreedySource(target, prompts, capture=True)
+    elif source == "text":
+        from mlx_redrafter.train.text import TextSource
+
+        src = TextSource(target, responses)
+    else:
+        from mlx_redrafter.train.endpoint import EndpointSource
+
+        src = EndpointSource(target, endpoint, prompts, model=endpoint_model, api_key=api_key,
+                             concurrency=concurrency)
+    root = corpus_dir(corpus, target.name, source)
+    out = grow(src, target, root, max_shards=shards, hours=hours, features_dir=features / root.name, worker=(i, n))
     typer.echo(json.dumps(out.stats()))
+
+
+@c.one_line_errors
+def features(
+    corpus: list[Path] = typer.Option(None, "--corpus", help="Corpus directories (repeat the option) [every corpus "
+                                      "of the model under data/corpus]."),
+    model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
+    cache: Path = typer.Option(DEFAULT_FEATURES, "--features", help="Where features are cached (not committed)."),
+    threads: int = typer.Option(1, help="BLAS threads (1 is right when other work shares the cores)."),
+    nice: int = typer.Option(19, help="Scheduling niceness added to this process (0 = none)."),
+    worker: str = typer.Option("0/1", help="I/N: build only every N-th missing shard, starting at I."),
+) -> None:
+    """Build the teacher-forced features of corpora: the target's hidden states and top-k labels at every
+    position (float32 forward of the runtime's own model). Resumable; `train` builds what is missing anyway."""
+    import os
+
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.system.blas import set_threads
+    from mlx_redrafter.train.distill import check_worker
+    from mlx_redrafter.train.features import ensure
+    from mlx_redrafter.train.pipeline import open_corpus
+
+    i, n = check_worker(worker)
+    if nice:
+        os.nice(nice)
+    set_threads(threads)
+    target = load_target(model, "float32")
+    roots = corpus or sorted(p for p in DEFAULT_CORPUS.glob(f"{target.name}*") if (p / "manifest.json").exists())
+    if not roots:
+        raise UserError(f"no corpus of {target.name} under {DEFAULT_CORPUS}: run `make distill` first")
+    for root in roots:
+        c_ = open_corpus(root)
+        ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, worker=(i, n),
+               log=lambda m: typer.echo(m, err=True))
 
 
 @c.one_line_errors
@@ -80,8 +146,13 @@ def answers(
 
 @c.one_line_errors
 def train(
-    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (CORPUS/<model>/ from `distill`)."),
-    features: Path = typer.Option(DEFAULT_FEATURES, help="Derived-data cache (hidden states; rebuilt on demand)."),
+    corpus: list[Path] = typer.Option(None, "--corpus", help="Corpus directories to train on (repeat the option) "
+                                      "[the recipe's: " + ", ".join(TrainConfig.sources) + " corpora of the model "
+                                      "under data/corpus]."),
+    heldout: Path | None = typer.Option(None, help="Corpus whose held-out shard measures the run [the first "
+                                        "--corpus, else the model's greedy corpus]."),
+    features: Path = typer.Option(DEFAULT_FEATURES, help="Derived-data cache (hidden states and labels; rebuilt on "
+                                  "demand)."),
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     output: Path | None = typer.Option(None, "--output", "-o", help="Where the drafter is written [RUN_DIR/drafter; "
                                        "to replace the shipped one, mlx_redrafter/drafters/<model>]."),
@@ -89,7 +160,7 @@ def train(
                                         "runs/drafter-KIND]."),
     kind: str = typer.Option(TrainConfig.kind, "--kind", help="Drafter kind: redrafter, medusa, semi_ar_transformer "
                              "or semi_ar_lstm (same data, loss and budget)."),
-    corpus_tokens: int | None = typer.Option(None, help="Train on the corpus' first N response tokens only."),
+    corpus_tokens: int | None = typer.Option(None, help="Train on each corpus' first N response tokens only."),
     steps: int = typer.Option(TrainConfig.steps, help="Optimizer steps."),
     batch: int = typer.Option(TrainConfig.batch_size, help="Context positions per step."),
     lr: float = typer.Option(TrainConfig.lr, help="Peak learning rate (warmup + cosine)."),
@@ -97,14 +168,20 @@ def train(
     layers: int = typer.Option(TrainConfig.num_draft_layers, help="ResBlocks."),
     draft_vocab: int = typer.Option(TrainConfig.draft_vocab_size, help="Head size K: the K most frequent tokens."),
     draft_len: int = typer.Option(TrainConfig.draft_len, help="T: draft steps trained per position."),
-    labels: str = typer.Option(TrainConfig.labels, help="hard (the corpus' greedy tokens) or soft (the target's "
+    labels: str = typer.Option(TrainConfig.labels, help="hard (the target's top-1 token) or soft (its top-k "
                                "distribution within the head)."),
     dropout: float = typer.Option(TrainConfig.input_dropout, help="Training-only dropout on the drafter's inputs."),
+    noise: float = typer.Option(TrainConfig.feature_noise, help="Training-only uniform noise U(-a, a) on the "
+                                "target's hidden state."),
+    freeze_head: bool = typer.Option(TrainConfig.freeze_head, "--freeze-head/--train-head",
+                                     help="Keep the vocabulary projection at the target's own output rows."),
     weight_decay: float = typer.Option(TrainConfig.weight_decay, help="AdamW weight decay."),
     seed: int = typer.Option(TrainConfig.seed, help="Random seed."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from RUN_DIR/checkpoint."),
     float16: bool = typer.Option(True, "--float16/--float32", help="Storage dtype of the saved weights."),
     eval_prompts: int = typer.Option(0, help="Also measure tokens per target call on this many held-out prompts."),
+    force: bool = typer.Option(False, "--force", help="Let --output replace a non-empty directory that is not a "
+                               "drafter."),
 ) -> None:
     """Train a drafter on the distillation corpus, in three steps.
 
@@ -123,13 +200,17 @@ def train(
 
     check_kind(kind)
     run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")
+    if output is not None and not force:
+        check_output_dir(output)
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
-                      weight_decay=weight_decay, seed=seed, kind=kind)
+                      feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed, kind=kind)
     target = load_target(model, "float32")
+    corpora = corpus or [corpus_dir(DEFAULT_CORPUS, target.name, s) for s in cfg.sources]
     t0 = time.perf_counter()
     typer.echo("step 1/3: features", err=True)
-    tr, ho, used = prepare(target, corpus / target.name, features / target.name, corpus_tokens,
+    tr, ho, used = prepare(target, corpora, features, corpus_tokens,
+                           heldout=heldout or corpora[0],
                            log=lambda m: typer.echo(m, err=True))
     t1 = time.perf_counter()
     typer.echo(f"step 2/3: training ({steps} steps) -> {run_dir}", err=True)
@@ -153,6 +234,17 @@ def train(
     save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
     typer.echo(f"step 3/3: saved {out}", err=True)
 
+
+
+def check_output_dir(out: Path) -> None:
+    """One-line error unless `out` may receive a drafter: absent, empty, or a drafter directory already."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--output {out} is a file: give a directory")
+    if any(out.iterdir()) and not (out / "config.json").is_file():
+        raise UserError(f"--output {out} is a non-empty directory that does not hold a drafter: choose another "
+                        f"directory, or pass --force to replace it")
 
 
 @c.one_line_errors

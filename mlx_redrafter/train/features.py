@@ -1,10 +1,18 @@
-"""Derived training data: the target's post-norm hidden state at every context position of the corpus.
+"""The teacher-forced feature engine: everything a drafter trains on, from one float32 forward of the target.
 
-A context position of a sequence (prompt length P, n tokens) is p = P-1 .. n-2: the drafter learns to predict
-tokens p+1.. from the hidden state h_p. One float16 array (contexts, H) per shard lives in a local cache,
-`<cache>/<model>/shard-XXXXX-<sha12>.npy`, keyed by the shard's sha256 (a regenerated shard never meets stale
-features). The data engine stores the states it computed while generating; anything missing is rebuilt by a
-teacher-forced float32 pass of the runtime's own model (`teacher_forced`).
+For a token sequence (prompt length P, n tokens), a context position p = P-1 .. n-2 is where the drafter starts:
+it sees the target's post-norm hidden state h_p and learns to predict what the target decides at p+1, p+2, ...
+One batched forward of the runtime's own model over the sequence gives, at every context position, h_p and the
+target's own top-k next-token distribution (ids and log-probabilities): the labels come from the target, never
+from the text, so fixed text and the target's own answers train the same way.
+
+Per shard of a corpus, in a local cache keyed by the shard's sha256 (a regenerated shard never meets stale data):
+
+    <cache>/<corpus>/shard-XXXXX-<sha12>.npy          hidden (contexts, H) float16
+    <cache>/<corpus>/shard-XXXXX-<sha12>.labels.npz   top_ids (contexts, k) int32, top_logp (contexts, k) float16
+
+A greedy corpus keeps the states its generation computed anyway (`save_hidden`); labels missing beside stored
+states are computed from them (the output layer only); anything else gets the full teacher-forced pass.
 """
 
 from __future__ import annotations
@@ -12,28 +20,50 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model
-from mlx_redrafter.train.corpus import Corpus, Shard, left_padded, load_shard
+from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
+from mlx_redrafter.train.greedy import left_padded
 
 DEFAULT_CACHE = Path(".cache/features")
+TOP_K = 8  # labels kept per position: the target's k most likely next tokens
+LOGIT_ROWS = 1024  # rows of vocabulary logits computed at once (49k-wide float32 rows)
 
 
-def feature_path(root: str | Path, shard_name: str, sha256: str) -> Path:
-    return Path(root) / f"{Path(shard_name).stem}-{sha256[:12]}.npy"
+@dataclass
+class FeaturePaths:
+    hidden: Path
+    labels: Path
 
 
-def save_features(path: Path, per_sequence: list[np.ndarray]) -> None:
-    """Concatenate per-sequence (m_i, H) states and write them atomically as one .npy (float16)."""
-    H = next((h.shape[1] for h in per_sequence if h.ndim == 2), 0)
-    arr = np.concatenate([np.zeros((0, H), np.float16)] + [h.astype(np.float16) for h in per_sequence])
+def feature_paths(root: str | Path, shard_name: str, sha256: str) -> FeaturePaths:
+    stem = f"{Path(shard_name).stem}-{sha256[:12]}"
+    return FeaturePaths(Path(root) / f"{stem}.npy", Path(root) / f"{stem}.labels.npz")
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr)
+    return buf.getvalue()
+
+
+def save_hidden(root: str | Path, shard_name: str, sha256: str, per_sequence: list[np.ndarray]) -> Path:
+    """Store per-sequence (m_i, H) states of a shard as its hidden file (float16, atomic)."""
+    H = next((h.shape[1] for h in per_sequence if h.ndim == 2), 0)
+    arr = np.concatenate([np.zeros((0, H), np.float16)] + [h.astype(np.float16) for h in per_sequence])
+    return write_atomic(feature_paths(root, shard_name, sha256).hidden, _npy_bytes(arr))
+
+
+def _save_labels(path: Path, ids: np.ndarray, logp: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, top_ids=ids.astype(np.int32), top_logp=logp.astype(np.float16))
     write_atomic(path, buf.getvalue())
 
 
@@ -41,11 +71,38 @@ def context_count(shard: Shard) -> int:
     return int((shard.offsets[1:] - shard.offsets[:-1] - shard.prompt_len).sum())
 
 
-def teacher_forced(model: Model, shard: Shard, pad_id: int, max_batch_tokens: int = 4096) -> np.ndarray:
-    """Hidden states (float16) at every context position of the shard, in sequence order (float32 forward)."""
+def top_labels(model: Model, hidden: mx.array, k: int = TOP_K) -> tuple[mx.array, mx.array]:
+    """The target's k most likely next tokens and their log-probabilities (most likely first) at hidden states
+    (n, H): (n, k) int32 and (n, k) float32, computed in float32 (lazy)."""
+    logits = model.logits(hidden.astype(model.dtype)).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    top = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(logp, top, axis=-1)
+    order = mx.argsort(-vals, axis=-1)  # argpartition leaves the k in no particular order
+    return mx.take_along_axis(top, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+
+
+def _labels_in_chunks(model: Model, hidden: np.ndarray | mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, logp = [], []
+    for i in range(0, hidden.shape[0], LOGIT_ROWS):
+        a, b = top_labels(model, mx.array(hidden[i : i + LOGIT_ROWS]), k)
+        mx.eval(a, b)
+        ids.append(np.array(a))
+        logp.append(np.array(b))
+    if not ids:
+        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
+    return np.concatenate(ids), np.concatenate(logp)
+
+
+def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_batch_tokens: int = 4096,
+                   progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(hidden float16 (C, H), top_ids (C, k), top_logp (C, k)) at every context position of the shard, in
+    sequence order: one float32 forward per batch of similar-length sequences (left-padded)."""
     n_seq = shard.num_sequences
     lens = shard.offsets[1:] - shard.offsets[:-1]
-    out: list[np.ndarray | None] = [None] * n_seq
+    hid: list[np.ndarray | None] = [None] * n_seq
+    ids: list[np.ndarray | None] = [None] * n_seq
+    logp: list[np.ndarray | None] = [None] * n_seq
     order = np.argsort(lens, kind="stable")
     i = 0
     while i < n_seq:
@@ -53,54 +110,91 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, max_batch_tokens: in
         while j < n_seq and (j - i + 1) * lens[order[j]] <= max_batch_tokens:
             j += 1
         idx = order[i:j]
-        seqs = [shard.sequence(k).tolist() for k in idx]
+        seqs = [shard.sequence(q).tolist() for q in idx]
         tok, pos, mask, pad = left_padded(seqs, pad_id)
         _, hidden = model(mx.array(tok), model.make_cache(tok.shape[1]), mx.array(pos), mx.array(mask),
                           last_only=True)
-        h = np.array(hidden.astype(mx.float16))
-        for b, k in enumerate(idx):
-            P, n = int(shard.prompt_len[k]), int(lens[k])
-            out[k] = h[b, pad[b] + P - 1 : pad[b] + n - 1]
+        spans = [(int(pad[b]) + int(shard.prompt_len[q]) - 1, int(pad[b]) + int(lens[q]) - 1) for b, q in
+                 enumerate(idx)]
+        ctx = mx.concatenate([hidden[b, s:e] for b, (s, e) in enumerate(spans)])  # float32 states
+        top_i, top_v = _labels_in_chunks(model, ctx, k)
+        h16 = np.array(ctx.astype(mx.float16))
+        start = 0
+        for q, (s, e) in zip(idx, spans):
+            rows = slice(start, start + e - s)
+            hid[q], ids[q], logp[q] = h16[rows], top_i[rows], top_v[rows]
+            start += e - s
+        if progress is not None:
+            progress(int(lens[idx].sum()))
         i = j
     H = model.args.hidden_size
-    return np.concatenate([np.zeros((0, H), np.float16)] + out)
+    cat = lambda parts, shape, dt: np.concatenate([np.zeros(shape, dt)] + parts)  # noqa: E731
+    return cat(hid, (0, H), np.float16), cat(ids, (0, k), np.int32), cat(logp, (0, k), np.float32)
 
 
-def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, names: list[str] | None = None,
-           progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Path]:
-    """Feature files for the corpus shards `names` (default: all), rebuilding the missing ones."""
-    names = names or sorted(corpus.entries)
-    paths = {n: feature_path(cache_root, n, corpus.entries[n]["sha256"]) for n in names}
-    missing = [n for n in names if not paths[n].exists()]
-    if missing:
-        tokens = sum(int(load_shard(corpus.root / n).offsets[-1]) for n in missing)
-        log(f"building features for {len(missing)} shards ({tokens} tokens, teacher-forced float32) -> {cache_root}")
-        bar = None
-        if progress:
-            from tqdm import tqdm
+def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, names: list[str] | None = None, *,
+           worker: tuple[int, int] = (0, 1), progress: bool = True, log: Callable[[str], None] = print,
+           ) -> dict[str, FeaturePaths]:
+    """Feature files for the corpus shards `names` (default: all), building what is missing; with
+    `worker=(i, n)` this process builds only the shards at positions i modulo n of `names`."""
+    names = names if names is not None else sorted(corpus.entries)
+    paths = {n: feature_paths(cache_root, n, corpus.entries[n]["sha256"]) for n in names}
+    mine = [n for q, n in enumerate(names) if q % worker[1] == worker[0]]
+    forced = [n for n in mine if not paths[n].hidden.exists()]
+    relabel = [n for n in mine if paths[n].hidden.exists() and not paths[n].labels.exists()]
+    if not forced and not relabel:
+        return paths
+    tokens = sum(int(load_shard(corpus.root / n).offsets[-1]) for n in forced + relabel)
+    log(f"features for {corpus.name}: {len(forced)} shards teacher-forced, {len(relabel)} labelled from stored "
+        f"states ({tokens} tokens) -> {cache_root}")
+    bar = None
+    if progress:
+        from tqdm import tqdm
 
-            bar = tqdm(total=tokens, desc="features", unit="tok", unit_scale=True, dynamic_ncols=True)
-        t0 = time.perf_counter()
-        for n in missing:
-            sh = load_shard(corpus.root / n)
-            arr = teacher_forced(model, sh, pad_id)
-            buf = io.BytesIO()
-            np.save(buf, arr)
-            write_atomic(paths[n], buf.getvalue())
+        bar = tqdm(total=tokens, desc=f"features {corpus.name}", unit="tok", unit_scale=True, dynamic_ncols=True)
+    t0, done = time.perf_counter(), 0
+    for n in relabel + forced:
+        sh = load_shard(corpus.root / n)
+        if n in relabel:
+            hidden = np.load(paths[n].hidden, mmap_mode="r")
+            if hidden.shape[0] != context_count(sh):
+                raise UserError(f"feature file {paths[n].hidden} does not match its shard: delete it (it is rebuilt "
+                                f"on demand)")
+            _save_labels(paths[n].labels, *_labels_in_chunks(model, hidden, TOP_K))
             if bar is not None:
                 bar.update(int(sh.offsets[-1]))
-        if bar is not None:
-            bar.close()
-        log(f"features built in {time.perf_counter() - t0:.0f} s")
+        else:
+            hidden, ids, logp = teacher_forced(model, sh, pad_id, progress=bar.update if bar is not None else None)
+            _save_labels(paths[n].labels, ids, logp)  # labels first: hidden present means "pass done"
+            write_atomic(paths[n].hidden, _npy_bytes(hidden))
+        done += int(sh.offsets[-1])
+    if bar is not None:
+        bar.close()
+    s = time.perf_counter() - t0
+    log(f"features for {corpus.name} built in {s:.0f} s ({done / max(s, 1e-9):.0f} tok/s)")
     return paths
 
 
-def load_features(path: Path, shard: Shard) -> np.ndarray:
-    """The (contexts, H) float16 states of a shard; checked against the shard's context count."""
-    arr = np.load(path, mmap_mode="r")
-    if arr.shape[0] != context_count(shard):
-        from mlx_redrafter.errors import UserError
+@dataclass
+class Features:
+    """A shard's stored features: hidden (C, H) float16 (memory-mapped), top_ids (C, k), top_logp (C, k)."""
 
-        raise UserError(f"feature file {path} has {arr.shape[0]} states but its shard has {context_count(shard)} "
-                        f"context positions: delete it (it is rebuilt on demand)")
-    return arr
+    hidden: np.ndarray
+    top_ids: np.ndarray
+    top_logp: np.ndarray
+
+
+def load_features(paths: FeaturePaths, shard: Shard) -> Features:
+    """A shard's features, checked against its context count; a one-line UserError if they do not fit."""
+    try:
+        hidden = np.load(paths.hidden, mmap_mode="r")
+        with np.load(paths.labels) as z:
+            ids, logp = z["top_ids"], z["top_logp"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"feature files {paths.hidden} / {paths.labels} are unreadable ({type(e).__name__}): delete "
+                        f"them (they are rebuilt on demand)") from None
+    n = context_count(shard)
+    if not hidden.shape[0] == ids.shape[0] == logp.shape[0] == n:
+        raise UserError(f"feature file {paths.hidden} has {hidden.shape[0]} states but its shard has {n} context "
+                        f"positions: delete it (it is rebuilt on demand)")
+    return Features(hidden, ids, logp)

@@ -32,7 +32,7 @@ class TrainConfig:
     num_draft_layers: int = 2
     draft_vocab_size: int = 8192
     draft_len: int = 5  # T: draft steps trained per context position
-    labels: str = "hard"  # hard: the corpus' greedy tokens; soft: the target's distribution (within the head)
+    labels: str = "hard"  # hard: the target's top-1 token; soft: its top-k distribution (within the head)
     steps: int = 1000  # ~0.8 epoch of the committed corpus (319k training positions); ~25 min on one core
     batch_size: int = 256  # context positions per step (x T predictions)
     lr: float = 1e-3
@@ -41,11 +41,15 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     input_dropout: float = 0.0  # training-only dropout on h and the token embeddings
+    feature_noise: float = 0.0  # training-only uniform noise U(-a, a) added to h (EAGLE uses 0.1)
+    freeze_head: bool = False  # keep the vocabulary projection at the target's own output rows (init_from_target)
     init_from_target: bool = True  # head = the target's (tied) output rows, input_proj = [I 0]
     eval_every: int = 500
     checkpoint_every: int = 500
     seed: int = 0
     kind: str = "redrafter"  # redrafter | medusa | semi_ar_transformer | semi_ar_lstm (see train/kinds.py)
+    sources: tuple[str, ...] = ("greedy",)  # corpora trained on by default (cmd/train.py corpus_dir)
+    init_from: str | None = None  # start from this drafter's weights (same shape), e.g. a first training stage
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable:
@@ -96,7 +100,7 @@ def evaluate(drafter: Drafter, embed: Callable, ex: Examples, lut: np.ndarray, T
     correct, count = np.zeros(T), np.zeros(T)
     loss_sum = wsum = 0.0
     for b0 in range(0, len(idx), batch):
-        b = make_batch(ex, idx[b0 : b0 + batch], T, lut)
+        b = make_batch(ex, np.sort(idx[b0 : b0 + batch]), T, lut)
         logits = teacher_forced_logits(drafter, b.h, embed(b.x_in))
         ce = nn.losses.cross_entropy(logits, b.target, reduction="none")
         hit = (mx.argmax(logits, axis=-1) == b.target).astype(mx.float32) * b.weight
@@ -109,12 +113,31 @@ def evaluate(drafter: Drafter, embed: Callable, ex: Examples, lut: np.ndarray, T
     return {"val_loss": round(loss_sum / max(wsum, 1.0), 4), "acc": [round(float(a), 4) for a in acc]}
 
 
-def _save_checkpoint(ckpt: Path, drafter: Drafter, opt: optim.Optimizer, step: int, cfg: TrainConfig,
+def _save_checkpoint(run_dir: Path, drafter: Drafter, opt: optim.Optimizer, step: int, cfg: TrainConfig,
                      history: list) -> None:
-    save_drafter(drafter, ckpt, extra_files={
+    """Weights, optimizer state and step as one unit: a complete new directory, then `run_dir/checkpoint` (a
+    symlink) swapped to it atomically; an interruption at any point leaves the previous checkpoint intact."""
+    import os
+    import shutil
+
+    from mlx_redrafter.files import fsync_tree
+
+    folder = run_dir / f"ckpt-{step:07d}"
+    save_drafter(drafter, folder, extra_files={
         "trainer_state.json": json.dumps({"step": step, "config": asdict(cfg), "history": history}, indent=1),
     })
-    mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    mx.save_safetensors(str(folder / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    fsync_tree(folder)
+    link, tmp = run_dir / "checkpoint", run_dir / ".checkpoint.new"
+    if link.is_dir() and not link.is_symlink():  # a checkpoint directory written by an older version
+        os.replace(link, run_dir / "ckpt-legacy")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(folder.name)
+    os.replace(tmp, link)
+    fsync_tree(run_dir, files=False)
+    for old in run_dir.glob("ckpt-*"):
+        if old.name != folder.name:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: str | Path,
@@ -141,33 +164,36 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
                             f"--restart to start over there")
         st = json.loads((ckpt / "trainer_state.json").read_text())
         start, history = int(st["step"]), st.get("history", [])
+        if not (ckpt / "optimizer.safetensors").exists():
+            raise UserError(f"{ckpt} is incomplete (no optimizer.safetensors): delete it, or pass --restart")
         opt.init(drafter.trainable_parameters())
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
         log(f"resumed from {ckpt} at step {start}")
+    elif cfg.init_from:
+        drafter = load_any_drafter(cfg.init_from)
+        check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, cfg.init_from)
+        log(f"starting from the weights of {cfg.init_from}")
     else:
         vocab = draft_vocabulary(train, cfg.draft_vocab_size, margs.vocab_size, target.tokenizer.eos_ids)
         drafter = new_drafter(target, cfg, vocab)
     if drafter.args.draft_vocab_size:
         drafter.freeze(keys=["draft_vocab"])
+    if cfg.freeze_head:
+        drafter.lm_head[-1].freeze()
     lut = head_lut(drafter, margs.vocab_size)
-    coverage = float((lut[train.tokens] >= 0).mean())
+    coverage = float((lut[train.top_ids[:, 0]] >= 0).mean())
     log(f"data: {train.sequences} train / {heldout.sequences} held-out sequences, {len(train)} context positions; "
-        f"head K={drafter.args.draft_vocab_size or margs.vocab_size} covers {coverage:.1%} of tokens; "
+        f"head K={drafter.args.draft_vocab_size or margs.vocab_size} covers {coverage:.1%} of the target's decisions; "
         f"drafter {drafter.num_params() / 1e6:.2f}M params")
     def embed(x: mx.array) -> mx.array:
         return target.model.embed(x).astype(mx.float32)
 
-    head_rows = None
-    if cfg.labels == "soft":
-        head_rows = target.model.output_weight()[drafter.draft_vocab].astype(mx.float32)
-        mx.eval(head_rows)
-
     soft = cfg.labels == "soft"
 
-    def loss_fn(model: Drafter, h, emb_in, target_ids, weight, valid, h_next) -> mx.array:
+    def loss_fn(model: Drafter, h, emb_in, target_ids, weight, valid, soft_index, soft_prob) -> mx.array:
         logits = teacher_forced_logits(model, h, emb_in)
-        b = Batch(h, emb_in, target_ids, weight, valid, h_next)
-        return soft_loss(logits, b, head_rows) if soft else hard_loss(logits, b)
+        b = Batch(h, emb_in, target_ids, weight, valid, soft_index, soft_prob)
+        return soft_loss(logits, b) if soft else hard_loss(logits, b)
 
     loss_and_grad = nn.value_and_grad(drafter, loss_fn)
     state = [drafter.state, opt.state, mx.random.state]
@@ -176,9 +202,14 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     def dropout(x: mx.array) -> mx.array:
         return x * mx.random.bernoulli(keep, x.shape) / keep if cfg.input_dropout > 0 else x
 
+    def noise(h: mx.array) -> mx.array:
+        a = cfg.feature_noise
+        return h + mx.random.uniform(-a, a, h.shape) if a > 0 else h
+
     @partial(mx.compile, inputs=state, outputs=state)
-    def step_fn(h, x_in, target_ids, weight, valid, h_next):
-        loss, grads = loss_and_grad(drafter, dropout(h), dropout(embed(x_in)), target_ids, weight, valid, h_next)
+    def step_fn(h, x_in, target_ids, weight, valid, soft_index, soft_prob):
+        loss, grads = loss_and_grad(drafter, dropout(noise(h)), dropout(embed(x_in)), target_ids, weight, valid,
+                                    soft_index, soft_prob)
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(drafter, grads)
         return loss, norm
@@ -192,9 +223,11 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
     for step in range(start, cfg.steps):
-        idx = rng.integers(0, len(train), size=cfg.batch_size)
+        idx = np.sort(rng.integers(0, len(train), size=cfg.batch_size))  # sorted: fewer page-ins per shard
         b = make_batch(train, idx, T, lut, soft=soft)
-        loss, _ = step_fn(b.h, b.x_in, b.target, b.weight, b.valid, b.h_next if soft else mx.zeros((1,)))
+        none = mx.zeros((1,))
+        loss, _ = step_fn(b.h, b.x_in, b.target, b.weight, b.valid, b.soft_index if soft else none,
+                          b.soft_prob if soft else none)
         mx.eval(loss, state)
         losses.append(loss.item())
         done = step + 1
@@ -209,7 +242,7 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
             history.append(rec)
             log(json.dumps(rec))
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            _save_checkpoint(ckpt, drafter, opt, done, cfg, history)
+            _save_checkpoint(run_dir, drafter, opt, done, cfg, history)
     if bar is not None:
         bar.close()
     summary = {"config": asdict(cfg), "train_time_s": round(time.perf_counter() - t0, 1),

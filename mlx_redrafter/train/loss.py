@@ -28,14 +28,14 @@ def teacher_forced_logits(drafter, h: mx.array, emb_in: mx.array) -> mx.array:
 
 
 def hard_loss(logits: mx.array, b: Batch) -> mx.array:
-    """Mean cross-entropy against the target's greedy tokens (the corpus), over weighted steps."""
+    """Mean cross-entropy against the target's top-1 token at each step, over steps whose label is in the head."""
     ce = nn.losses.cross_entropy(logits, b.target, reduction="none")
     return (ce * b.weight).sum() / mx.maximum(b.weight.sum(), 1.0)
 
 
-def soft_loss(logits: mx.array, b: Batch, head_rows: mx.array) -> mx.array:
-    """Cross-entropy against the target's own distribution at each step, restricted to the head's tokens:
-    softmax(h_{p+j} . E[head tokens]) with the target's (tied) output rows `head_rows` (K, H)."""
-    teacher = mx.softmax(b.h_next @ head_rows.T, axis=-1)  # (B, T, K)
-    ce = -(teacher * nn.log_softmax(logits, axis=-1)).sum(axis=-1)
-    return (ce * b.valid).sum() / mx.maximum(b.valid.sum(), 1.0)
+def soft_loss(logits: mx.array, b: Batch) -> mx.array:
+    """Cross-entropy against the target's top-k distribution at each step (renormalized within the head)."""
+    logq = mx.take_along_axis(nn.log_softmax(logits, axis=-1), b.soft_index, axis=-1)  # (B, T, k)
+    ce = -(b.soft_prob * logq).sum(axis=-1)
+    has = (b.soft_prob.sum(axis=-1) > 0).astype(ce.dtype)
+    return ce.sum() / mx.maximum(has.sum(), 1.0)

@@ -18,40 +18,59 @@ from mlx_redrafter.train.kinds import KIND_TITLES
 from mlx_redrafter.train.loop import TrainConfig
 
 
-def pick_shards(corpus: Corpus, max_tokens: int | None = None) -> tuple[list[str], list[str]]:
-    """(train shards, held-out shards); with max_tokens, the train shards in plan order until that many
-    response tokens (corpus-size ablations use the corpus as it grew)."""
-    names = [p.name for p in corpus.shards()]
-    heldout = [n for n in names if corpus.entries[n]["split"] == "heldout"]
+def pick_shards(corpus: Corpus, max_tokens: int | None = None) -> list[str]:
+    """The corpus' train shards in plan order; with max_tokens, until that many response tokens (learning curves
+    use the corpus as it grew)."""
     train, total = [], 0
-    for n in names:
-        if corpus.entries[n]["split"] != "train":
-            continue
+    for p in corpus.shards("train"):
         if max_tokens is not None and total >= max_tokens:
             break
-        train.append(n)
-        total += corpus.entries[n]["response_tokens"]
-    if not train:
-        raise UserError(f"corpus {corpus.root} has no training shards: run `make distill` first")
-    if not heldout:
-        raise UserError(f"corpus {corpus.root} has no held-out shard (shard-00000): run `make distill`")
-    return train, heldout
+        train.append(p.name)
+        total += corpus.entries[p.name]["response_tokens"]
+    return train
 
 
-def prepare(target: Target, corpus_root: str | Path, features_root: str | Path, max_tokens: int | None = None,
-            log: Callable[[str], None] = print) -> tuple[Examples, Examples, dict]:
-    """Training and held-out examples (features built on demand) and what was used."""
-    corpus = Corpus(corpus_root)
+def open_corpus(root: str | Path) -> Corpus:
+    corpus = Corpus(root)
     if not corpus.entries:
         raise UserError(f"no corpus at {corpus.root}: run `make distill` (redrafter-mlx distill) first, or pass "
                         f"--corpus DIR")
-    train, heldout = pick_shards(corpus, max_tokens)
-    paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], features_root, train + heldout, log=log)
-    tr = load_examples(corpus, paths, train)
-    ho = load_examples(corpus, paths, heldout)
-    used = {"corpus": str(corpus.root), "train_shards": len(train), "heldout_shards": len(heldout),
-            "train_response_tokens": tr.response_tokens, "train_sequences": tr.sequences}
+    return corpus
+
+
+def prepare(target: Target, corpora: list[str | Path], features_root: str | Path, max_tokens: int | None = None,
+            heldout: str | Path | None = None, log: Callable[[str], None] = print) -> tuple[Examples, Examples, dict]:
+    """Training examples from the train shards of `corpora` (at most `max_tokens` response tokens of each) and
+    held-out examples from the held-out shard of `heldout` (default: the first corpus); features are built on
+    demand. Returns both and what was used."""
+    features_root = Path(features_root)
+    parts, used_shards = [], {}
+    for root in corpora:
+        corpus = open_corpus(root)
+        names = pick_shards(corpus, max_tokens)
+        paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], features_root / corpus.name, names, log=log)
+        parts.append((corpus, paths, names))
+        used_shards[corpus.name] = len(names)
+    if not any(names for _, _, names in parts):
+        raise UserError(f"{', '.join(map(str, corpora))}: no training shards: run `make distill` first")
+    ho, ho_what = heldout_examples(target, heldout if heldout is not None else corpora[0], features_root, log)
+    tr = load_examples(parts)
+    used = {"corpora": {name: {"train_shards": n, "response_tokens": tr.by_corpus.get(name, 0)}
+                        for name, n in used_shards.items()},
+            "heldout": ho_what, "train_response_tokens": tr.response_tokens, "train_sequences": tr.sequences}
     return tr, ho, used
+
+
+def heldout_examples(target: Target, root: str | Path, features_root: str | Path,
+                     log: Callable[[str], None] = print) -> tuple[Examples, str]:
+    """Examples of a corpus' held-out shard (features built on demand) and a line saying which they are."""
+    corpus = open_corpus(root)
+    names = [p.name for p in corpus.shards("heldout")]
+    if not names:
+        raise UserError(f"corpus {corpus.root} has no held-out shard (shard-00000): run `make distill`")
+    paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], Path(features_root) / corpus.name, names,
+                   log=log)
+    return load_examples([(corpus, paths, names)]), f"{corpus.root}: {', '.join(names)}"
 
 
 def save_shipped(drafter: Drafter, out_dir: str | Path, model_card: str, float16: bool = True) -> Path:
@@ -69,6 +88,8 @@ def model_card(model_name: str, cfg: TrainConfig, summary: dict, used: dict, tim
     """MODEL_CARD.md from what this run actually did (evaluation sections are appended by the caller)."""
     final = summary.get("final", {})
     tlm = "rnn" if cfg.kind == "redrafter" else cfg.kind
+    corpora = "; ".join(f"`{name}` {u['response_tokens']:,} response tokens in {u['train_shards']} shards"
+                        for name, u in used["corpora"].items())
     return f"""# {KIND_TITLES[cfg.kind]} drafter for {model_name}
 
 Trained here by self-distillation with `redrafter-mlx train` (`make train`).
@@ -76,11 +97,12 @@ Trained here by self-distillation with `redrafter-mlx train` (`make train`).
 - Shape: exit_dim {cfg.exit_dim}, {cfg.num_draft_layers} ResBlocks, {tlm}, head over the {cfg.draft_vocab_size} most
   frequent tokens of the training data (covers {summary.get('head_coverage')} of them); {summary.get('params')}
   parameters.
-- Data: {used['train_sequences']} training sequences ({used['train_response_tokens']} response tokens) from
-  {used['train_shards']} shards of `{used['corpus']}` (the target's own greedy answers), held out: shard-00000.
+- Data: {used['train_sequences']} training sequences ({used['train_response_tokens']} response tokens):
+  {corpora}; held out: {used['heldout']}.
 - Training: {cfg.steps} steps x {cfg.batch_size} context positions x {cfg.draft_len} draft steps, {cfg.labels} labels,
   AdamW lr {cfg.lr} (warmup {cfg.warmup}, cosine to {cfg.min_lr_ratio}), weight decay {cfg.weight_decay}, dropout
-  {cfg.input_dropout}; {summary.get('train_time_s')} s on {platform.machine()} ({platform.processor() or 'cpu'}).
+  {cfg.input_dropout}, feature noise {cfg.feature_noise}, head {'frozen' if cfg.freeze_head else 'trained'};
+  {summary.get('train_time_s')} s on {platform.machine()} ({platform.processor() or 'cpu'}).
 - Time per stage: features {timings.get('features_s')} s, training {timings.get('train_s')} s.
 - Held-out (teacher-forced) top-1 accuracy per draft step: {final.get('acc')}; loss {final.get('val_loss')}.
 {extra}

@@ -1,0 +1,205 @@
+"""Self-distillation: the target's own greedy answers to the plan's prompts, generated in batches.
+
+`generate_greedy` is the engine (the runtime's own model and dtype, left-padded batches, finished rows dropped);
+`GreedySource` turns the plan (`plan.py`) into shards for `distill.grow`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.model import Model
+from mlx_redrafter.models.loader import Target
+from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
+from mlx_redrafter.train.distill import Made
+from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, hash_unit, plan_jobs, plan_order
+
+
+def left_padded(seqs: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Left-padded batch: tokens (B, N), positions (B, N) from 0 at each row's first real token, mask
+    (B, 1, N, N) causal over real tokens (a pad query sees only itself), and the pad length of each row."""
+    lens = np.array([len(s) for s in seqs])
+    n = int(lens.max())
+    pad = n - lens
+    tok = np.full((len(seqs), n), pad_id, dtype=np.int32)
+    for b, s in enumerate(seqs):
+        tok[b, pad[b]:] = s
+    cols = np.arange(n)
+    positions = np.maximum(cols[None, :] - pad[:, None], 0).astype(np.int32)
+    real_key = cols[None, :] >= pad[:, None]
+    mask = ((cols[None, :] <= cols[:, None])[None] & real_key[:, None, :]) | np.eye(n, dtype=bool)[None]
+    return tok, positions, mask[:, None], pad
+
+
+def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
+                    compact_below: float = 0.75, capture: bool = False,
+                    ) -> tuple[list[list[int]], list[np.ndarray] | None]:
+    """Greedy responses for a batch of prompts (each ends with an eos id if the model stopped by itself), and
+    with `capture` the post-norm hidden states (float16) at each response's context positions: the last
+    prompt position and every response position but the last (m states for m response tokens).
+
+    Left padding with the model's own eos id (never a real token as padding); each row gets positions
+    0..n-1 and a mask hiding its pad slots. Finished rows are dropped from the batch (and its KV cache) once
+    fewer than `compact_below` of the rows still run.
+    """
+    if not eos_ids:
+        raise UserError("the target tokenizer has no eos id: cannot pad or stop generations")
+    B = len(prompts)
+    lens = np.array([len(p) for p in prompts])
+    eos = set(eos_ids)
+    tok, positions, mask, pad = left_padded(prompts, eos_ids[0])
+    n_pad = tok.shape[1]
+    cache = model.make_cache(n_pad + max_new_tokens)
+    logits, hidden = model(mx.array(tok), cache, mx.array(positions), mx.array(mask), last_only=True)
+    cache.advance(n_pad)
+    nxt = mx.argmax(logits[:, -1], axis=-1)
+    out: list[list[int]] = [[] for _ in range(B)]
+    hids: list[list[np.ndarray]] = [[] for _ in range(B)]
+    h_last = hidden[:, -1].astype(mx.float16)
+    fed, fed_idx = list(range(B)), list(range(B))
+    rows = list(range(B))  # original index of each batch row
+    pad_mx = mx.array(pad[:, None])
+    lens_mx = mx.array(lens[:, None])
+    running = [True] * B
+    while True:
+        if capture:
+            mx.eval(nxt, h_last)
+            h_np = np.array(h_last)
+            for j, r in zip(fed_idx, fed):
+                hids[r].append(h_np[j])
+        new = nxt.tolist()
+        live = []
+        for i, (r, t) in enumerate(zip(rows, new)):
+            if running[r]:
+                out[r].append(t)
+                running[r] = t not in eos and len(out[r]) < max_new_tokens
+            if running[r]:
+                live.append(i)
+        if not live:
+            break
+        step = len(out[rows[live[0]]])  # tokens generated so far by every running row (they move in lockstep)
+        fed = [rows[i] for i in live]
+        fed_idx = live
+        if len(live) < compact_below * len(rows):
+            idx = mx.array(live)
+            cache.select(idx)
+            rows, fed_idx = fed, list(range(len(live)))
+            nxt, pad_mx, lens_mx = nxt[idx], pad_mx[idx], lens_mx[idx]
+        key_ok = (mx.arange(cache.offset + 1)[None, :] >= pad_mx)[:, None, None, :]
+        logits, hidden = model(nxt[:, None].astype(mx.int32), cache, lens_mx + (step - 1), key_ok)  # nxt's position
+        cache.advance(1)
+        nxt = mx.argmax(logits[:, -1], axis=-1)
+        h_last = hidden[:, 0].astype(mx.float16)
+    if not capture:
+        return out, None
+    return out, [np.stack(h[: len(o)]) for h, o in zip(hids, out)]
+
+
+def follow_up_suffix(target: Target, text: str) -> list[int]:
+    """Token ids that close the assistant's turn-1 answer (after its eos) and open a turn-2 reply to `text`."""
+    tok = target.tokenizer
+    marker = "\x00ANSWER\x00"
+    rendered = tok.chat_prompt([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker},
+                                {"role": "user", "content": text}])
+    suffix = rendered.split(marker, 1)[1]
+    if tok.eos_token and suffix.startswith(tok.eos_token):
+        suffix = suffix[len(tok.eos_token):]  # the stored answer already ends with its eos id
+    return tok.encode(suffix)
+
+
+class GreedySource:
+    """The target's greedy answers to a JSONL prompts file, in the plan's order (see plan.py)."""
+
+    kind = "greedy"
+
+    def __init__(self, target: Target, prompts_file: str | Path, settings: Settings | None = None,
+                 capture: bool = False):
+        from mlx_redrafter.prompts import read_prompts
+
+        self.target, self.settings, self.capture = target, settings or Settings(), capture
+        self.prompts_file = Path(prompts_file)
+        self.rows = read_prompts(prompts_file)
+        self.order = plan_order(self.rows, self.settings.seed)
+        self._follow_ids: list[list[int]] | None = None
+
+    def identity(self) -> dict[str, Any]:
+        return {"settings": vars(self.settings), "prompts_file": self.prompts_file.name,
+                "prompts_sha256": sha256_file(self.prompts_file), "licenses": LICENSES,
+                "engine": "MLX batched greedy, the runtime's own model (mlx_redrafter.train.greedy.generate_greedy)"}
+
+    def checked_keys(self) -> tuple[str, ...]:
+        return ("settings", "prompts_sha256")
+
+    def jobs(self) -> list[Job]:
+        return plan_jobs(len(self.order), self.settings)
+
+    def total(self, job: Job) -> int:
+        return len(job.rows)
+
+    def ready(self, job: Job, corpus: Corpus) -> str | None:
+        if job.turn == 2 and any(corpus.check(f"shard-{p:05d}.npz") for p in job.parents):
+            return "its turn-1 shards are not all there yet (another worker?)"
+        return None
+
+    def make(self, job: Job, corpus: Corpus, progress: Callable[[int, int], None]) -> Made:
+        s, tok = self.settings, self.target.tokenizer
+        if job.turn == 1:
+            ids = [tok.encode_chat([{"role": "user", "content": self.rows[self.order[r]]["prompt"]}])
+                   for r in job.rows]
+        else:
+            if self._follow_ids is None:
+                self._follow_ids = [follow_up_suffix(self.target, t) for t in FOLLOW_UPS]
+            ids = self._turn2_prompts(corpus, job, set(tok.eos_ids))
+        keep = [i for i, x in enumerate(ids) if x is not None and 0 < len(x) <= s.max_prompt_tokens]
+        prompts = [ids[i] for i in keep]
+        by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
+        responses: dict[int, list[int]] = {}
+        hiddens: dict[int, np.ndarray] = {}
+        for b in range(0, len(by_len), s.batch_size):
+            part = [int(i) for i in by_len[b:b + s.batch_size]]
+            outs, hid = generate_greedy(self.target.model, [prompts[i] for i in part], s.max_new_tokens,
+                                        tok.eos_ids, capture=self.capture)
+            for k, (i, o) in enumerate(zip(part, outs)):
+                responses[i] = o
+                if hid is not None:
+                    hiddens[i] = hid[k]
+            progress(len(part), sum(len(o) for o in outs))
+        progress(len(job.rows) - len(keep), 0)
+        index = [job.rows[i] for i in keep]
+        sources = Counter(self.rows[self.order[r]].get("source", "") for r in index)
+        return Made(
+            seqs=[prompts[i] + responses[i] for i in range(len(prompts))], prompt_lens=[len(p) for p in prompts],
+            index=index, turns=job.turn, hidden=[hiddens[i] for i in range(len(prompts))] if self.capture else None,
+            info={"skipped_prompts": len(job.rows) - len(keep), "sources": dict(sorted(sources.items())),
+                  "eos_stops": sum(1 for r in responses.values() if r and r[-1] in tok.eos_ids)})
+
+    def _turn2_prompts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[list[int] | None]:
+        """Turn-2 prompts: the turn-1 sequence of each picked row + a follow-up; None where the first answer did
+        not end with eos (cut at max_new_tokens) or is missing."""
+        by_row: dict[int, np.ndarray] = {}
+        for parent in job.parents:
+            name = f"shard-{parent:05d}.npz"
+            problem = corpus.check(name)
+            if problem is not None:
+                raise UserError(f"turn-2 {job.name} needs {corpus.root / name}, which is {problem}")
+            sh = load_shard(corpus.root / name)
+            for i, r in enumerate(sh.prompt_index.tolist()):
+                seq = sh.sequence(i)
+                if len(seq) > sh.prompt_len[i] and int(seq[-1]) in eos:
+                    by_row[r] = seq
+        out: list[list[int] | None] = []
+        for r in job.rows:
+            seq = by_row.get(r)
+            if seq is None:
+                out.append(None)
+                continue
+            follow = self._follow_ids[int(hash_unit(f"follow:{self.settings.seed}:{r}") * len(self._follow_ids))]
+            out.append(seq.tolist() + follow)
+        return out
