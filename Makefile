@@ -12,7 +12,7 @@ else
   EXTRAS := dev
 endif
 
-.PHONY: setup chat test fuzz bench bench-quick parity train distill lint clean
+.PHONY: setup chat test fuzz bench bench-quick parity train distill features data lint clean
 
 $(STAMP): pyproject.toml setup.py mlx_redrafter/system/csrc/smallgemm.c
 	$(PY) -m venv $(VENV)
@@ -56,9 +56,25 @@ bench-quick: $(STAMP)
 parity: $(VENV)/.torch  ## MLX vs PyTorch parity report: make parity DEVICE=cpu|cuda
 	$(BIN)/python -m bench parity --device $(DEVICE)
 
-distill: $(STAMP)  ## extend the distillation corpus (data/corpus/; resumable, nice 19, one BLAS thread; WORKERS=2)
-	for i in $$(seq 0 $$(($(or $(WORKERS),1) - 1))); do \
-	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(or $(WORKERS),1) $(DISTILL_ARGS) & \
+# The data job: nice 19, one BLAS thread per worker, resumable (stop it any time; pause it for benchmarks with
+# kill -STOP / -CONT). `make data` first builds the teacher-forced features every corpus still lacks, then grows the
+# corpus of the target's own answers; `make distill SOURCE=text|endpoint` grows the other sources.
+WORKERS ?= 1
+distill: $(STAMP)  ## grow a corpus (data/corpus/; SOURCE=greedy|text|endpoint, WORKERS=2, DISTILL_ARGS=...)
+	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \
+	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --source $(or $(SOURCE),greedy) --worker $$i/$(WORKERS) \
+	    $(DISTILL_ARGS) & \
+	done; wait
+
+features: $(STAMP)  ## teacher-forced features (hidden states + top-k labels) of every corpus, in .cache/features
+	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \
+	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) & \
+	done; wait
+
+data: $(STAMP)  ## the background data job: features, then the target's own answers (WORKERS=2 on 2 cores)
+	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \
+	  ( MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) && \
+	    MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(WORKERS) $(DISTILL_ARGS) ) & \
 	done; wait
 
 train: $(STAMP)  ## train the drafter recipe on the committed corpus -> runs/drafter/drafter (features rebuilt on demand)

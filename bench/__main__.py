@@ -178,6 +178,22 @@ def ablate(
     typer.echo(f"wrote {out / 'drafter-ablation.md'}")
 
 
+@app.command()
+@c.one_line_errors
+def engines(
+    num_prompts: int = typer.Option(64, help="Prompts from the corpus plan's pool."),
+    max_tokens: int = typer.Option(256, help="Most new tokens per answer."),
+    batch: int = typer.Option(64, help="Generation batch size (as `make distill`)."),
+    device: str = typer.Option("cpu-avx2", help="Results go to bench/results/DEVICE/."),
+) -> None:
+    """Tokens per CPU second of the two data engines: batched greedy generation vs the teacher-forced pass."""
+    from .engines import measure, write
+
+    out = Path(__file__).resolve().parent / "results" / device
+    path = write(measure(num_prompts, max_tokens, batch, log=lambda m: typer.echo(m, err=True)), out)
+    typer.echo(f"wrote {path}")
+
+
 @app.command("dtype-agreement")
 @c.one_line_errors
 def dtype_agreement(
