@@ -156,3 +156,18 @@ def test_train_output_refuses_a_folder_that_is_not_a_drafter(tmp_path):
     (notes / "todo.txt").write_text("my notes")
     res = CliRunner().invoke(app, ["train", "--output", str(notes), "--corpus", str(tmp_path / "none")])
     assert res.exit_code == 2 and "--force" in res.output and (notes / "todo.txt").read_text() == "my notes"
+
+
+def test_chunked_forward_equals_one_forward(target):
+    """Feeding a long left-padded batch in chunks through one KV cache gives the states of one forward."""
+    from mlx_redrafter.train.features import forward_chunked
+    from mlx_redrafter.train.greedy import left_padded
+
+    rng = np.random.default_rng(0)
+    tok, pos, mask, _ = left_padded([rng.integers(100, 40000, n).tolist() for n in (300, 170, 41)],
+                                    target.tokenizer.eos_ids[0])
+    _, one = target.model(mx.array(tok), target.model.make_cache(tok.shape[1]), mx.array(pos), mx.array(mask))
+    chunked = forward_chunked(target.model, tok, pos, mask, chunk=128)
+    assert chunked.shape == one.shape
+    real = mx.array(mask[:, 0, -1, :])  # pad slots see only themselves: compare the real positions
+    assert mx.abs(mx.where(real[..., None], chunked - one, 0)).max().item() < 1e-4

@@ -35,6 +35,7 @@ from mlx_redrafter.train.greedy import left_padded
 DEFAULT_CACHE = Path(".cache/features")
 TOP_K = 8  # labels kept per position: the target's k most likely next tokens
 LOGIT_ROWS = 1024  # rows of vocabulary logits computed at once (49k-wide float32 rows)
+CHUNK = 128  # a long batch is fed in chunks of this many positions (causal: later chunks see earlier ones' keys)
 
 
 @dataclass
@@ -94,6 +95,22 @@ def _labels_in_chunks(model: Model, hidden: np.ndarray | mx.array, k: int) -> tu
     return np.concatenate(ids), np.concatenate(logp)
 
 
+def forward_chunked(model: Model, tok: np.ndarray, pos: np.ndarray, mask: np.ndarray, chunk: int = CHUNK) -> mx.array:
+    """Post-norm hidden states (B, N, H) of a left-padded batch, fed `chunk` positions at a time through one KV
+    cache: the same states as one forward, with half the attention work on long sequences (no query scores
+    against keys its causal mask hides)."""
+    B, N = tok.shape
+    cache = model.make_cache(N)
+    parts = []
+    for a in range(0, N, chunk):
+        b = min(a + chunk, N)
+        _, h = model(mx.array(tok[:, a:b]), cache, mx.array(pos[:, a:b]), mx.array(mask[:, :, a:b, :b]),
+                     last_only=True)
+        cache.advance(b - a)
+        parts.append(h)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
 def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_batch_tokens: int = 4096,
                    progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(hidden float16 (C, H), top_ids (C, k), top_logp (C, k)) at every context position of the shard, in
@@ -112,8 +129,7 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
         idx = order[i:j]
         seqs = [shard.sequence(q).tolist() for q in idx]
         tok, pos, mask, pad = left_padded(seqs, pad_id)
-        _, hidden = model(mx.array(tok), model.make_cache(tok.shape[1]), mx.array(pos), mx.array(mask),
-                          last_only=True)
+        hidden = forward_chunked(model, tok, pos, mask)
         spans = [(int(pad[b]) + int(shard.prompt_len[q]) - 1, int(pad[b]) + int(lens[q]) - 1) for b, q in
                  enumerate(idx)]
         ctx = mx.concatenate([hidden[b, s:e] for b, (s, e) in enumerate(spans)])  # float32 states
