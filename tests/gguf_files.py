@@ -127,8 +127,9 @@ def llama_meta(**override: Any) -> list[tuple[str, int, Any]]:
             vtype = override.pop(k + "__type", vtype)
         out.append((key, vtype, v))
     for k, v in list(override.items()):
-        if not k.endswith("__type"):
-            out.append((k.replace("__", "."), override.get(k + "__type", STR), v))
+        if not k.endswith("__type") and v is not None:
+            guess = ARR if isinstance(v, tuple) else F32 if isinstance(v, float) else U32 if isinstance(v, int) else STR
+            out.append((k.replace("__", "."), override.get(k + "__type", guess), v))
     return out
 
 

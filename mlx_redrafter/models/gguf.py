@@ -174,14 +174,21 @@ def check_tensors(tensors: list[TensorInfo], cfg: dict[str, Any], path: str) -> 
             raise UserError(f"{where}: unexpected tensor {name} for a Llama with {cfg['num_hidden_layers']} blocks")
 
 
+def check_gguf(header: GGUFHeader, path: str) -> dict[str, Any]:
+    """The model config of a GGUF file whose layout `gguf_header` has checked, after checking its metadata and its
+    tensor table against that config; one-line UserErrors. Everything `read_gguf` checks before MLX reads."""
+    check_metadata(header.metadata, path)
+    cfg = gguf_config(header.metadata, path)
+    check_tensors(header.tensors, cfg, path)
+    return cfg
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any], dict[str, Any]]:
     """(raw GGUF tensors, metadata as Python values, model config) of a checked GGUF file; one-line UserErrors
     for anything malformed, before MLX reads the file."""
     path = str(path)
-    header: GGUFHeader = read_header(path)
-    check_metadata(header.metadata, path)
-    cfg = gguf_config(header.metadata, path)
-    check_tensors(header.tensors, cfg, path)
+    header = read_header(path)
+    cfg = check_gguf(header, path)
     try:
         tensors = mx.load(path, format="gguf")
     except Exception as e:  # MLX raises RuntimeError/ValueError with long messages

@@ -18,8 +18,8 @@ from mlx_redrafter.errors import UserError
 MAX_HEADER = 100_000_000  # bytes (the safetensors format's own limit)
 MAX_DIMS = 8
 MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
-# dtype -> bytes per element, for the dtypes MLX's reader accepts.
-DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+# dtype -> bytes per element, for the dtypes MLX's reader accepts (MLX 0.32 has no F64).
+DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
           "U16": 2, "U8": 1, "BOOL": 1, "C64": 8, "F8_E4M3": 1, "F8_E8M0": 1}
 
 
@@ -44,8 +44,8 @@ def parse_header(head: bytes, size: int, where: str) -> dict[str, dict[str, Any]
     data = size - 8 - n
     out: dict[str, dict[str, Any]] = {}
     for key, info in header.items():
-        if key == "__metadata__":
-            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+        if key == "__metadata__":  # null (MLX writes it without metadata) or {str: str}
+            if info is not None and (not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values())):
                 raise UserError(f"{where}: the safetensors __metadata__ must map strings to strings")
             continue
         out[key] = _check_entry(key, info, data, where)

@@ -110,7 +110,7 @@ class _Budget:
         self.events += 1
         if time.monotonic() > self.deadline:
             raise _OverBudget(f"it ran longer than {RENDER_SECONDS:g} s (an endless or huge loop?)")
-        if self.events % 256 == 0 and _max_rss() - self.rss0 > MAX_MEMORY:
+        if self.events % 8 == 0 and _max_rss() - self.rss0 > MAX_MEMORY:
             raise _OverBudget(f"it used more than {MAX_MEMORY >> 20} MB of memory")
         return self.trace
 
