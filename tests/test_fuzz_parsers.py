@@ -61,9 +61,30 @@ def refused_or_accepted(fn, *args) -> bool:
     return True
 
 
+class Tally:
+    """Cases of one property, and the first MAX_LOADED distinct files the check accepted."""
+
+    def __init__(self) -> None:
+        self.cases, self.accepted, self.kept = 0, 0, {}
+
+    def add(self, data: bytes, accepted: bool) -> None:
+        self.cases += 1
+        self.accepted += accepted
+        if accepted and len(self.kept) < MAX_LOADED:
+            self.kept[data] = None
+
+    def read_by_mlx(self, what: str, suffix: str, reader: str, tmp_path: Path) -> None:
+        """Report the counts, then have MLX read every kept file (see `mlx_reads`)."""
+        print(f"\n{what} fuzz: {self.cases} cases, {self.accepted} accepted, {len(self.kept)} read by MLX")
+        files = [tmp_path / f"{i}{suffix}" for i in range(len(self.kept))]
+        for f, data in zip(files, self.kept):
+            f.write_bytes(data)
+        mlx_reads(files, reader, tmp_path)
+
+
 def mlx_reads(files: list[Path], reader: str, tmp_path: Path) -> None:
-    """Every file, read by MLX in one subprocess through `reader` (a module-level function name below): exit 0,
-    no signal. The only exception allowed there is a UserError (e.g. a shape MLX itself refuses)."""
+    """Every file `f`, read by MLX in one subprocess through the statement `reader`: exit 0, no signal. The only
+    exception allowed there is a UserError (e.g. a shape MLX itself refuses)."""
     if not files:
         return
     code = (
@@ -123,26 +144,16 @@ def check_gguf_bytes(data: bytes) -> None:
 
 
 def fuzz_gguf(config, tmp_path: Path) -> None:
-    accepted: list[bytes] = []
-    count = [0, 0]  # cases, accepted
+    tally = Tally()
 
     @config
     @given(st.lists(mutation, min_size=1, max_size=4))
     def one(steps):
         data = mutate(BASE, steps)
-        count[0] += 1
-        if refused_or_accepted(check_gguf_bytes, data) and data != BASE:
-            count[1] += 1
-            if len(accepted) < MAX_LOADED:
-                accepted.append(data)
+        tally.add(data, refused_or_accepted(check_gguf_bytes, data) and data != BASE)
 
     one()
-    print(f"\nGGUF fuzz: {count[0]} cases, {count[1]} accepted, {len(set(accepted))} read by MLX")
-    files = []
-    for i, data in enumerate(dict.fromkeys(accepted)):
-        files.append(tmp_path / f"{i}.gguf")
-        files[-1].write_bytes(data)
-    mlx_reads(files, "t, meta, cfg = read_gguf(f); gguf_weights(t, cfg)", tmp_path)
+    tally.read_by_mlx("GGUF", ".gguf", "t, meta, cfg = read_gguf(f); gguf_weights(t, cfg)", tmp_path)
 
 
 def test_gguf_check_never_fails_otherwise(tmp_path):
@@ -203,25 +214,15 @@ def safetensors_files(draw) -> bytes:
 
 
 def fuzz_safetensors(config, tmp_path: Path) -> None:
-    accepted: list[bytes] = []
-    count = [0, 0]
+    tally = Tally()
 
     @config
     @given(safetensors_files())
     def one(data):
-        count[0] += 1
-        if refused_or_accepted(safetensors_header.parse_header, data, len(data), "fuzz.safetensors"):
-            count[1] += 1
-            if len(accepted) < MAX_LOADED:
-                accepted.append(data)
+        tally.add(data, refused_or_accepted(safetensors_header.parse_header, data, len(data), "fuzz.safetensors"))
 
     one()
-    print(f"\nsafetensors fuzz: {count[0]} cases, {count[1]} accepted, {len(set(accepted))} read by MLX")
-    files = []
-    for i, data in enumerate(dict.fromkeys(accepted)):
-        files.append(tmp_path / f"{i}.safetensors")
-        files[-1].write_bytes(data)
-    mlx_reads(files, "mx.eval(list(mx.load(f).values()))", tmp_path)
+    tally.read_by_mlx("safetensors", ".safetensors", "mx.eval(list(mx.load(f).values()))", tmp_path)
 
 
 def test_safetensors_check_never_fails_otherwise(tmp_path):
@@ -235,11 +236,14 @@ def test_safetensors_check_fuzz(tmp_path):
 
 # --- config schemas ---------------------------------------------------------------------------------------------
 
+def nested(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3))
+
+
 json_value = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=4),
               st.sampled_from([0, 1, 2, 3, 4, 8, 32, 64, 576, 49152, 10**8, 2**31, -1, 1e8, 0.5])),
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3)),
-    max_leaves=6)
+    nested, max_leaves=6)
 
 VALID = {
     "drafter": {"vocab_size": 64, "hidden_size": 8, "exit_dim": 16, "num_draft_layers": 2, "rnn": True},

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_redrafter.draft.redrafter import cast_floats, load_weights_into, read_checkpoint
+from mlx_redrafter.draft.redrafter import cast_floats, check_draft_vocab_size, load_weights_into, read_checkpoint
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.schema import MAX_VOCAB, MAX_WIDTH, Field, check_fields, check_object
 
@@ -46,9 +46,7 @@ class HeadArgs:
         if cfg.get("quantization") is not None:
             raise UserError(f"quantized {cls.KIND}s are not supported ({where} has `quantization`)")
         check_fields(cfg, cls.FIELDS, where)
-        if (cfg.get("draft_vocab_size") or 0) > cfg["vocab_size"]:
-            raise UserError(f"{where}: draft_vocab_size {cfg['draft_vocab_size']} is larger than vocab_size "
-                            f"{cfg['vocab_size']}")
+        check_draft_vocab_size(cfg, where)
         known = {f.name for f in fields(cls) if f.name != "extra"}
         return cls(**{k: v for k, v in cfg.items() if k in known and v is not None},
                    extra={k: v for k, v in cfg.items() if k not in known and k != "quantization"})

@@ -70,9 +70,7 @@ class DrafterArgs:
         """Args from a config dict checked against `FIELDS` (types, ranges; `where` names it in messages);
         unknown keys are kept in `extra`; a one-line UserError for a bad config."""
         check_fields(cfg, FIELDS, where)
-        if (cfg.get("draft_vocab_size") or 0) > cfg["vocab_size"]:
-            raise UserError(f"{where}: draft_vocab_size {cfg['draft_vocab_size']} is larger than vocab_size "
-                            f"{cfg['vocab_size']}")
+        check_draft_vocab_size(cfg, where)
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         args = cls(**{k: v for k, v in cfg.items() if k in known and v is not None},
                    extra={k: v for k, v in cfg.items() if k not in known})
@@ -100,6 +98,13 @@ class DrafterArgs:
             if dim % group_size:
                 raise UserError(f"{name} {dim} is not a multiple of the quantization group size {group_size}: "
                                 f"choose a group size that divides it")
+
+
+def check_draft_vocab_size(cfg: dict[str, Any], where: str) -> None:
+    """One-line error unless a (type-checked) drafter config's draft vocabulary fits in its vocabulary."""
+    if (cfg.get("draft_vocab_size") or 0) > cfg["vocab_size"]:
+        raise UserError(f"{where}: draft_vocab_size {cfg['draft_vocab_size']} is larger than vocab_size "
+                        f"{cfg['vocab_size']}")
 
 
 def check_quantization(bits: Any, group_size: Any) -> None:

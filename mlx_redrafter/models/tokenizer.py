@@ -13,6 +13,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_bytes, read_json, read_text
 from mlx_redrafter.models import spm, templates
+from mlx_redrafter.models.gguf import TOKENIZER_KINDS
 from mlx_redrafter.schema import shown
 from mlx_redrafter.token_ids import check_token_ids
 
@@ -133,7 +134,7 @@ class TextTokenizer:
         Python values checked by `gguf.check_metadata` (ids inside the vocabulary, merges present)."""
         kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = list(meta.get("tokenizer.ggml.tokens", []))
-        if kind not in ("llama", "gpt2"):
+        if kind not in TOKENIZER_KINDS:
             raise UserError(f"GGUF tokenizer type {kind!r} is not supported (gpt2 and llama are); use an mlx-lm "
                             f"model directory instead")
         try:
