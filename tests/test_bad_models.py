@@ -23,7 +23,7 @@ from gguf_files import (
     tiny_llama,
 )
 from mlx.utils import tree_flatten
-from one_line import assert_one_line_error, generate
+from one_line import CLI, assert_one_line_error, generate, run
 
 from mlx_redrafter.model import Model, ModelArgs
 from mlx_redrafter.models.gguf_header import parse_header
@@ -166,6 +166,13 @@ def test_broken_chat_templates(tmp_path, case):
     f.write_bytes(with_meta(tokenizer__chat_template=template))
     msg = assert_one_line_error(generate(tmp_path, "--model", str(f), *NO_DRAFTER), *needles)
     assert msg.startswith("the chat template (the model's own)")
+
+
+def test_chat_template_file_not_utf8(tmp_path):
+    f = tmp_path / "bad.jinja"
+    f.write_bytes(b"{{ messages }}\xff")
+    proc = run([*CLI, "chat", "--template", str(f), "--drafter", "none"], tmp_path)
+    assert_one_line_error(proc, "chat template", "not UTF-8")
 
 
 # --- mlx-lm directories ----------------------------------------------------------------------------------------
