@@ -37,8 +37,8 @@ ONE_THREAD = $(if $(filter 0,$(TEST_WORKERS)),,MKL_NUM_THREADS=1 REDRAFTER_THREA
 test: $(VENV)/.torch  ## run the test suite (installs the torch extra: parity and converter tests need it)
 	$(ONE_THREAD) $(BIN)/python -m pytest -q tests -n $(TEST_WORKERS) --dist loadscope
 
-fuzz: $(VENV)/.torch  ## >= 1,000 random exactness cases (FUZZ_CASES=N): speculative == AR, fp32
-	$(BIN)/python -m pytest -q -s -m fuzz tests/test_fuzz.py
+fuzz: $(VENV)/.torch  ## >= 1,000 random exactness cases (FUZZ_CASES=N): speculative == AR, fp32; parser fuzzing
+	$(BIN)/python -m pytest -q -s -m fuzz tests/test_fuzz.py tests/test_fuzz_parsers.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check mlx_redrafter convert bench tests

@@ -15,9 +15,7 @@ Any problem is reported as one `error: ...` line and exit status 2, with no outp
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,16 @@ import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.c
 import mlx.core as mx
 import typer
 
+from convert.checkpoint import (
+    check_dtype,
+    check_out_dir,
+    default_out,
+    find_checkpoint,
+    pick_dtype,
+    read_config,
+    read_tensors,
+)
+from convert.medusa import convert_medusa, format_medusa_summary, is_medusa
 from mlx_redrafter.cmd.common import one_line_errors, run_app
 from mlx_redrafter.draft.redrafter import (
     MODEL_TYPE,
@@ -41,8 +49,8 @@ from mlx_redrafter.draft.redrafter import (
 )
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.models.loader import DTYPES, load_target
+from mlx_redrafter.token_ids import check_id_array
 
-WEIGHT_NAMES = ("model.safetensors", "drafter.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 # config.json keys of a Hugging Face PretrainedConfig that describe the source file, not the drafter.
 _DROP_CONFIG_KEYS = {"torch_dtype", "dtype", "_name_or_path", "transformers_version", "architectures", "auto_map"}
 _KEY_PREFIXES = ("module.", "drafter.")
@@ -56,108 +64,6 @@ class Checkpoint:
     config: dict[str, Any] | None
     tensors: dict[str, mx.array]
     renamed: dict[str, str] = field(default_factory=dict)  # original key -> canonical key (only changed ones)
-
-
-def find_checkpoint(path: Path) -> tuple[Path, Path | None]:
-    """(weights file, config.json or None) for a checkpoint file or directory."""
-    if not path.exists():
-        raise UserError(f"{path} does not exist (give a model.safetensors, pytorch_model.bin, model.pt or a directory)")
-    if path.is_dir():
-        found = [path / n for n in WEIGHT_NAMES if (path / n).is_file()]
-        if not found:
-            found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
-        if not found:
-            raise UserError(f"{path} holds no model.safetensors, pytorch_model.bin or model.pt")
-        weights = found[0]
-    else:
-        weights = path
-    cfg = weights.parent / "config.json"
-    return weights, (cfg if cfg.is_file() else None)
-
-
-def _check_safetensors_file(file: Path) -> None:
-    """Validate the safetensors header against the file size, so truncation gives a precise message."""
-    size = file.stat().st_size
-    if size < 8:
-        raise UserError(f"{file} is not a safetensors file (only {size} bytes)")
-    with file.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8 or n > 100_000_000:
-            raise UserError(f"{file} is truncated or not a safetensors file (header of {n} bytes, file {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise UserError(f"{file} has a corrupt safetensors header (not valid JSON)") from None
-    if not isinstance(header, dict):
-        raise UserError(f"{file} has a corrupt safetensors header")
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            end = max(end, int(info["data_offsets"][1]))
-        except (KeyError, TypeError, IndexError, ValueError):
-            raise UserError(f"{file} has a corrupt safetensors header entry for {key!r}") from None
-    if 8 + n + end > size:
-        raise UserError(f"{file} is truncated: its header needs {8 + n + end} bytes but the file has {size}")
-
-
-def _read_safetensors(file: Path) -> dict[str, mx.array]:
-    _check_safetensors_file(file)
-    try:
-        return dict(mx.load(str(file), format="safetensors"))
-    except Exception as e:
-        raise UserError(f"cannot read {file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-
-
-def _torch_to_mx(key: str, value: Any, file: Path) -> mx.array:
-    import torch
-
-    if not isinstance(value, torch.Tensor):
-        raise UserError(f"{file}: entry {key!r} is a {type(value).__name__}, not a tensor")
-    t = value.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return mx.array(t.float().numpy()).astype(mx.bfloat16)
-    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
-        raise UserError(f"{file}: tensor {key!r} has unsupported dtype {t.dtype}")
-    arr = mx.array(t.numpy())
-    return arr.astype(mx.float32) if arr.dtype == mx.float64 else arr
-
-
-def _read_torch(file: Path) -> dict[str, mx.array]:
-    try:
-        import torch
-    except ImportError:
-        raise UserError(f"reading {file.name} needs PyTorch: pip install 'mlx-redrafter[torch]' (or convert the "
-                        f"checkpoint to safetensors)") from None
-    try:
-        obj = torch.load(str(file), map_location="cpu", weights_only=True)
-    except Exception as e:
-        msg = str(e)
-        if "weights_only" in msg or "Unsupported global" in msg or "Unpickl" in type(e).__name__:
-            raise UserError(f"refusing to load {file}: it holds pickled objects other than tensors (possibly code); "
-                            f"only plain state dicts are read (torch.load weights_only=True)") from None
-        first = msg.splitlines()[0] if msg else type(e).__name__
-        raise UserError(f"cannot read {file} (corrupt or truncated torch file?): {first}") from None
-    if isinstance(obj, dict) and len(obj) == 1 and next(iter(obj)) in ("state_dict", "model", "module"):
-        obj = next(iter(obj.values()))
-    elif isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict):
-        raise UserError(f"{file} holds a {type(obj).__name__}, not a state dict of tensors")
-    return {str(k): _torch_to_mx(str(k), v, file) for k, v in obj.items()}
-
-
-def read_tensors(file: Path) -> dict[str, mx.array]:
-    """All tensors of a checkpoint file as MLX arrays (safetensors or a torch state dict)."""
-    if file.stat().st_size == 0:
-        raise UserError(f"{file} is empty")
-    with file.open("rb") as f:
-        magic = f.read(4)
-    if file.suffix == ".safetensors" or (not magic.startswith(b"PK") and magic[:1] != b"\x80"
-                                         and file.suffix not in (".bin", ".pt", ".pth")):
-        return _read_safetensors(file)
-    return _read_torch(file)
 
 
 _RULES = [
@@ -208,12 +114,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     weights, cfg_file = find_checkpoint(Path(path).expanduser())
     cfg = None
     if cfg_file is not None:
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{cfg_file} is not valid JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise UserError(f"{cfg_file} is not a JSON object")
+        cfg = read_config(cfg_file)
         if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
             raise UserError(f"{cfg_file} describes a {cfg.get('model_type')!r} model, not a ReDrafter drafter")
         if cfg.get("quantization") is not None:
@@ -265,10 +166,9 @@ def infer_args(ckpt: Checkpoint, target_vocab: int | None = None) -> tuple[Draft
     if "vocab_size" not in cfg:
         raise UserError(f"{f} has a draft_vocab head: give config.json with vocab_size, or --model to take it from")
     cfg["model_type"] = MODEL_TYPE
-    for key in ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers"):
-        if not isinstance(cfg[key], int) or cfg[key] <= 0:
-            raise UserError(f"config {key} = {cfg[key]!r} is not a positive integer")
-    return DrafterArgs.from_dict(cfg), inferred
+    where = (f"checkpoint config {f.parent / 'config.json'}" if ckpt.config is not None
+             else f"the config inferred from {f}")
+    return DrafterArgs.from_dict(cfg, where), inferred
 
 
 def expected_shapes(args: DrafterArgs) -> dict[str, tuple[int, ...]]:
@@ -302,24 +202,7 @@ def check_tensors(args: DrafterArgs, tensors: dict[str, mx.array], file: Path, r
         elif key != "draft_vocab":
             raise UserError(f"{file}: tensor {orig.get(key, key)!r} has non-float dtype {value.dtype}")
     if "draft_vocab" in tensors:
-        dv = tensors["draft_vocab"]
-        if mx.issubdtype(dv.dtype, mx.floating) or dv.ndim != 1:
-            raise UserError(f"{file}: draft_vocab must be a 1-D integer tensor of token ids")
-        if dv.size and (mx.min(dv).item() < 0 or mx.max(dv).item() >= args.vocab_size):
-            raise UserError(f"{file}: draft_vocab has token ids outside [0, {args.vocab_size})")
-
-
-def check_dtype(dtype: str) -> None:
-    """One-line error unless `dtype` is auto or a name in `mlx_redrafter.models.loader.DTYPES`."""
-    if dtype != "auto" and dtype not in DTYPES:
-        raise UserError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-
-
-def _pick_dtype(tensors: dict[str, mx.array], key: str, dtype: str) -> mx.Dtype:
-    if dtype == "auto":
-        src = tensors[key].dtype
-        return src if src in DTYPES.values() else mx.float32
-    return DTYPES[dtype]
+        check_id_array(tensors["draft_vocab"], args.vocab_size, f"{file}: draft_vocab")
 
 
 def build_drafter(args: DrafterArgs, tensors: dict[str, mx.array], dtype: mx.Dtype, file: Path) -> Drafter:
@@ -338,21 +221,6 @@ def build_drafter(args: DrafterArgs, tensors: dict[str, mx.array], dtype: mx.Dty
     return drafter
 
 
-def default_out(weights_file: Path, given: Path) -> Path:
-    """`<name>-mlx` in the current directory, name = the checkpoint directory (or file stem)."""
-    name = given.name if given.is_dir() else (
-        weights_file.parent.name if weights_file.name in WEIGHT_NAMES else weights_file.stem)
-    return Path.cwd() / f"{name or 'drafter'}-mlx"
-
-
-def check_out_dir(out_dir: Path, weights_file: Path, force: bool) -> None:
-    """One-line error if `out_dir` holds something (without --force) or is the checkpoint's own directory."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
-        raise UserError(f"output {out_dir} already exists: pass --force to replace it, or choose --out")
-    if out_dir.resolve() == weights_file.parent.resolve():
-        raise UserError(f"output {out_dir} is the checkpoint's own directory: choose another --out")
-
-
 def convert(path: str | Path, out: str | Path | None = None, model: str | None = None, dtype: str = "auto",
             quantize: int | None = None, group_size: int = 64, force: bool = False) -> dict[str, Any]:
     """Convert a PyTorch drafter checkpoint to an MLX drafter directory; returns a summary dict.
@@ -363,8 +231,6 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
     if quantize is not None:
         check_quantization(quantize, group_size)
     given = Path(path).expanduser()
-    from convert.medusa import convert_medusa, is_medusa
-
     if is_medusa(given):  # FasterDecoding/Medusa heads: their own layout and output kind
         if quantize is not None:
             raise UserError("--quantize is not supported for Medusa heads")
@@ -381,7 +247,7 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
     if quantize is not None:
         args.check_quantization(quantize, group_size)
     head = f"lm_head.{args.num_draft_layers}.weight"
-    dt = _pick_dtype(ckpt.tensors, head, dtype)
+    dt = pick_dtype(ckpt.tensors, head, dtype)
     drafter = build_drafter(args, ckpt.tensors, dt, ckpt.weights_file)
     if quantize is not None:
         quantize_drafter(drafter, quantize, group_size)
@@ -406,8 +272,6 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
 def format_summary(s: dict[str, Any]) -> str:
     """Human-readable summary of a conversion."""
     if s.get("kind") == "medusa":
-        from convert.medusa import format_medusa_summary
-
         return format_medusa_summary(s)
     a = s["args"]
     lines = [

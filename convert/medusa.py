@@ -10,18 +10,20 @@ the layout (the file name, `medusa_num_heads` in config.json, or keys of more th
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
+import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 
-from convert.from_torch import _pick_dtype, check_out_dir, default_out, find_checkpoint, read_tensors
+from convert.checkpoint import check_out_dir, default_out, find_checkpoint, pick_dtype, read_config, read_tensors
 from mlx_redrafter.draft.medusa import MedusaArgs, MedusaHeads
 from mlx_redrafter.draft.redrafter import check_compatible, save_drafter
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.models import safetensors_header
 from mlx_redrafter.models.loader import load_target
 
 WEIGHT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
@@ -31,28 +33,15 @@ _PREFIXES = ("module.", "medusa_head.")
 
 def _config(folder: Path) -> dict[str, Any] | None:
     f = folder / "config.json"
-    if not f.is_file():
-        return None
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{f} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{f} is not a JSON object")
-    return cfg
+    return read_config(f) if f.is_file() else None
 
 
 def _safetensors_keys(file: Path) -> list[str]:
     """Tensor names in a safetensors header (empty if the file is not a readable safetensors file)."""
     try:
-        with file.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
-                return []
-            header = json.loads(f.read(n))
-    except (OSError, struct.error, ValueError, UnicodeDecodeError):
+        return list(safetensors_header.read_header(file))
+    except UserError:
         return []
-    return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
 
 
 def _weights_file(path: Path) -> Path | None:
@@ -150,7 +139,7 @@ def convert_medusa(given: Path, out: str | Path | None, model: str | None, dtype
     target = load_target(model, "float32") if model is not None else None
     if target is not None:
         check_compatible(args, target.model.args.hidden_size, target.model.args.vocab_size, str(weights))
-    dt = _pick_dtype(tensors, f"medusa_head.0.{n_layers}.weight", dtype)
+    dt = pick_dtype(tensors, f"medusa_head.0.{n_layers}.weight", dtype)
     heads = MedusaHeads(args)
     cast = {k: v.astype(dt) for k, v in tensors.items()}
     for k, v in cast.items():

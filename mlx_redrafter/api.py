@@ -206,7 +206,7 @@ def load(model: str | None = None, drafter: str | None = "default", dtype: str =
 def encode_prompt(runner: Runner, prompt: str | list[int], chat: bool = True) -> list[int]:
     """Token ids for a prompt: chat-formatted text, raw text, or ids given as is."""
     if isinstance(prompt, list):
-        ids = prompt
+        ids = runner.tokenizer.check_ids(prompt, "the prompt's token ids")  # MLX's embedding does no bounds check
     else:
         if not prompt.strip():
             raise UserError("the prompt is empty: give some text with --prompt")

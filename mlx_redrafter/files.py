@@ -1,25 +1,54 @@
-"""Writing files safely: never a half-written file (temp file in the same folder, then rename)."""
+"""Reading and writing the files users hand us: never a half-written file, never a traceback on a bad one.
+
+`write_atomic` writes a temp file in the same folder, flushes it to disk, renames it over the target and
+flushes the folder, so after a crash the path holds the old contents or the new, never a mix or nothing.
+`read_text` / `read_json` turn every way a text file can be unreadable (missing, a directory, no permission,
+not UTF-8, not JSON, not the expected JSON type) into one `UserError` line naming the file and the fix.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from mlx_redrafter.errors import UserError
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to disk; a no-op where directories cannot be
+    opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories: the rename itself is still atomic
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str | Path, data: str | bytes, mode: int = 0o644) -> Path:
-    """Write `data` to `path` via a temp file in the same directory and an atomic rename; returns the path."""
+    """Write `data` to `path` via a temp file in the same directory, fsync, atomic rename and a directory fsync;
+    returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, mode)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
     return path
 
 
@@ -31,8 +60,56 @@ def fsync_tree(folder: str | Path, files: bool = True) -> None:
             if f.is_file() and not f.is_symlink():
                 with f.open("rb") as fh:
                     os.fsync(fh.fileno())
-    fd = os.open(folder, os.O_RDONLY)
+    fsync_dir(folder)
+
+
+def read_bytes(path: str | Path, what: str) -> bytes:
+    """The bytes of a file; a one-line UserError (naming it as `what`) if it is missing, a directory or
+    unreadable."""
+    p = Path(path)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return p.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{what} {p} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} {p} is a directory, not a file") from None
+    except PermissionError:
+        raise UserError(f"{what} {p} is not readable (permission denied)") from None
+    except OSError as e:
+        raise UserError(f"cannot read {what} {p}: {e.strerror or type(e).__name__}") from None
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """The text of a UTF-8 file (a UTF-8 byte-order mark is dropped); a one-line UserError if it cannot be read
+    or is not UTF-8."""
+    data = read_bytes(path, what)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}): save it "
+                        f"as UTF-8") from None
+
+
+def read_json(path: str | Path, what: str, kind: type = dict) -> Any:
+    """The JSON value of a UTF-8 file, which must be a `kind` (dict: an object, list: an array); a one-line
+    UserError otherwise."""
+    text = read_text(path, what)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{what} {path} nests JSON too deeply") from None
+    if not isinstance(value, kind):
+        raise UserError(f"{what} {path} holds a JSON {json_type(value)}, expected a JSON {json_type(kind())}")
+    return value
+
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (object, array, string, number, boolean, null)."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)

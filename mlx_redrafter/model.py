@@ -47,7 +47,7 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelArgs:
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        args = {k: v for k, v in cfg.items() if k in known}
+        args = {k: v for k, v in cfg.items() if k in known and v is not None}  # null in config.json: the default
         return cls(**args, extra={k: v for k, v in cfg.items() if k not in known})
 
 

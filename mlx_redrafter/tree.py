@@ -1,7 +1,9 @@
 """Dynamic tree attention: deduplicate shared candidate prefixes with tensor ops, pack, mask, unpack.
 
 Candidates (n, L) all start with the same token (the target's next token). A candidate shorter than L is padded
-with PAD after its end; PAD slots are never packed or verified. Token (i, k) is kept iff it is not PAD and no
+with PAD after its end; PAD slots are never packed or verified. A candidate ends at its first PAD: every slot after
+it is PAD too, by construction in `pack` (a stray PAD-valued id inside a candidate cannot splice the tokens after it
+onto a shorter path). Token (i, k) is kept iff it is not PAD and no
 lower-index candidate shares cands[i, :k+1]. Kept tokens are packed in (candidate, depth) order, which is
 topological: every token's ancestors come before it. The `unpacker` (n, L) maps each candidate slot to its
 packed index (0 for PAD slots, which acceptance never reaches).
@@ -37,8 +39,9 @@ class PackedTree:
 def pack(cands: mx.array) -> PackedTree:
     """Pack one sequence's candidates (n, L). Evaluates (one host sync) to learn the packed size P."""
     W, L = cands.shape
+    real = mx.cumprod((cands != PAD).astype(mx.int32), axis=1).astype(mx.bool_)  # before the first PAD
+    cands = mx.where(real, cands, PAD)
     parent = prefix_of(cands)  # (W, L)
-    real = cands != PAD
     keep = ((parent == mx.arange(W)[:, None]) & real).reshape(-1)  # (W*L,)
     packed_index = (mx.cumsum(keep.astype(mx.int32)) - 1).reshape(W, L)
     unpacker = mx.take_along_axis(packed_index, parent, axis=0)  # unpacker[i,k] = packed_index[parent[i,k], k]

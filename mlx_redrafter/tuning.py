@@ -16,11 +16,21 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.api import DecodeOptions, parse_drafter_spec, shipped_drafter_path
+from mlx_redrafter.api import DRAFT_MODES, HEAD_MODES, DecodeOptions, parse_drafter_spec, shipped_drafter_path
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.files import write_atomic
+from mlx_redrafter.files import read_json, write_atomic
+from mlx_redrafter.models.loader import DTYPE_CHOICES
+from mlx_redrafter.schema import Field, check_fields
 
 FORMAT_VERSION = 2
+# The entry keys decoding reads, with their types (ranges are checked with the options: DecodeOptions.check).
+ENTRY_FIELDS = (
+    Field("draft", str, choices=DRAFT_MODES + HEAD_MODES),
+    Field("beam_width", int, 1, 1 << 16),
+    Field("beam_length", int, 1, 1 << 16),
+    Field("lookup_width", int, 1, 1 << 16),
+    Field("dtype", str, choices=DTYPE_CHOICES),
+)
 
 
 def tuned_file() -> Path:
@@ -80,20 +90,28 @@ def entry_key(machine: str, model: str, drafter: str) -> str:
 
 
 def read_all(path: Path | None = None) -> dict[str, Any]:
-    """All stored entries ({} when the file is missing); a corrupt file is a one-line UserError."""
+    """All stored entries ({} when the file is missing), each checked against `ENTRY_FIELDS`; a file that is not
+    UTF-8 JSON of the expected layout, or an entry of the wrong types, is a one-line UserError."""
     path = path or tuned_file()
     if not path.exists():
         return {}
+    fix = "delete it or re-run `redrafter-mlx tune`"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"tuned settings file {path} is unreadable ({type(e).__name__}): delete it or re-run "
-                        f"`redrafter-mlx tune`") from None
-    if not isinstance(data, dict) or not isinstance(data.get("entries", {}), dict):
-        raise UserError(f"tuned settings file {path} has an unexpected layout: delete it or re-run tune")
+        data = read_json(path, "tuned settings file")
+    except UserError as e:
+        raise UserError(f"{e}: {fix}") from None
+    entries = data.get("entries", {})
+    if not isinstance(entries, dict):
+        raise UserError(f"tuned settings file {path} has an unexpected layout: {fix}")
     if data.get("version") != FORMAT_VERSION:
         return {}  # written by an older version: ignored (re-run tune)
-    return data.get("entries", {})
+    for key, entry in entries.items():
+        where = f"tuned settings file {path}, entry {key!r}"
+        try:
+            check_fields(entry, ENTRY_FIELDS, where)
+        except UserError as e:
+            raise UserError(f"{e}: {fix}") from None
+    return entries
 
 
 def lookup(model: str | None, drafter: str | None) -> dict[str, Any] | None:

@@ -57,7 +57,7 @@ def test_corrupt_and_empty_model_files(tmp_path):
     assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(truncated)), "cannot read GGUF")
     headless = tmp_path / "headless.gguf"
     headless.write_bytes(b"GGUF" + b"\x00" * 64)
-    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(headless)), "no model metadata")
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(headless)), "GGUF version 0")
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a model at all")
     assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(garbage)), "cannot read GGUF")

@@ -69,19 +69,66 @@ def test_offline_and_not_cached_is_a_clear_error(empty_hf_cache, name, needles):
         assert n in msg
 
 
+def cached_snapshot(cache: Path, files: dict[str, bytes]) -> Path:
+    """A snapshot of acme/tiny-llama in a Hugging Face cache, holding `files`."""
+    repo = cache / "models--acme--tiny-llama"
+    snap = repo / "snapshots" / COMMIT
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    for name, data in files.items():
+        (snap / name).write_bytes(data)
+    return snap
+
+
+def tiny_safetensors() -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    return len(header).to_bytes(8, "little") + header + bytes(8)
+
+
+COMPLETE = {"config.json": json.dumps({"model_type": "llama"}).encode(), "tokenizer.json": b"{}",
+            "model.safetensors": tiny_safetensors()}
+
+
 def test_a_cached_repo_is_used_without_the_network(empty_hf_cache, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hub, "_unreachable", lambda endpoint: pytest.fail("the network was used"))
-    repo = empty_hf_cache / "models--acme--tiny-llama"
-    snap = repo / "snapshots" / COMMIT
-    snap.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    (snap / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (snap / "model.safetensors").write_bytes(b"")
+    snap = cached_snapshot(empty_hf_cache, COMPLETE)
     assert resolve_model("acme/tiny-llama") == ("acme/tiny-llama", snap)
+
+
+@pytest.mark.parametrize("drop,missing", [
+    ("model.safetensors", "model.safetensors"),  # interrupted before the weights
+    ("tokenizer.json", "tokenizer.json"),
+    ("cut", "model.safetensors"),  # a weights file cut short
+    ("shard", "model-00002-of-00002.safetensors"),  # one shard of two
+])
+def test_a_partial_snapshot_is_resumed_not_taken_as_complete(empty_hf_cache, monkeypatch, drop, missing):
+    from huggingface_hub import constants
+
+    files = dict(COMPLETE)
+    if drop == "cut":
+        files["model.safetensors"] = files["model.safetensors"][:-4]
+    elif drop == "shard":
+        del files["model.safetensors"]
+        files["model-00001-of-00002.safetensors"] = tiny_safetensors()
+        files["model.safetensors.index.json"] = json.dumps({"weight_map": {
+            "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}).encode()
+    else:
+        del files[drop]
+    snap = cached_snapshot(empty_hf_cache, files)
+    assert hub.missing_files(snap) == [missing] and hub.cached("acme/tiny-llama") is None
+    with pytest.raises(UserError, match=f"only partly in the Hugging Face cache \\(missing: {missing}.*resume"):
+        resolve_model("acme/tiny-llama")  # offline: says so in one line
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "_unreachable", lambda endpoint: None)
+    resumed = []
+    monkeypatch.setattr(hub, "_download", lambda repo, filename, local_only: (
+        snap if local_only else resumed.append(repo) or snap))
+    resolve_model("acme/tiny-llama")  # online: the download runs again (huggingface-hub fetches what is missing)
+    assert resumed == ["acme/tiny-llama"]
 
 
 def test_unreachable_hub_fails_fast_with_one_line(tmp_path):

@@ -4,6 +4,7 @@ import itertools
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlx_redrafter.tree import pack, prefix_of, verify_mask
 
@@ -98,3 +99,57 @@ def test_padded_slots_are_never_packed():
 def test_parent_is_the_ancestor_one_level_up():
     tree = check([[7, 3, 5, 9], [7, 3, 8, 2], [7, 4, 1, 6]])
     assert np.array(tree.parent).tolist() == [-1, 0, 1, 2, 1, 4, 0, 6, 7]
+
+
+def test_a_pad_inside_a_candidate_ends_it():
+    """Everything after a candidate's first PAD is PAD, by construction: a stray PAD-valued id cannot splice the
+    tokens after it onto the root."""
+    from mlx_redrafter.tree import PAD
+
+    tree = pack(mx.array([[7, 3, PAD, 9, 4], [7, 5, 6, PAD, 8]]))
+    cut = pack(mx.array([[7, 3, PAD, PAD, PAD], [7, 5, 6, PAD, PAD]]))
+    for field in ("tokens", "depth", "mask", "parent", "unpacker"):
+        assert np.array(getattr(tree, field)).tolist() == np.array(getattr(cut, field)).tolist(), field
+    depth, parent = np.array(tree.depth), np.array(tree.parent)
+    assert tree.size == 4 and all(depth[parent[i]] == depth[i] - 1 for i in range(1, tree.size))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_pad_inside_a_candidate_keeps_tokens_and_cache_in_step(target, temperature):
+    """A candidate [g0, x, PAD, a1, a2] with x a token the target rejects and a1 its own choice: the step emits
+    what it would for the candidate cut at the PAD, and commits exactly as many KV entries as it emits tokens
+    (before, a1 became a child of the root at depth 3 and exact acceptance committed entries it never emitted)."""
+    from mlx_redrafter.sampling import Rng, Sampling
+    from mlx_redrafter.sources import DecodeState, Slot
+    from mlx_redrafter.step import prefill, speculative_step
+    from mlx_redrafter.tree import PAD
+
+    model, sampling = target.model, Sampling(temperature=temperature)
+    prompt = target.tokenizer.encode_chat([{"role": "user", "content": "Count from one to ten."}])
+
+    class Fixed:
+        name, cands = "fixed", None
+
+        def start(self, tokens):
+            pass
+
+        def extend(self, tokens):
+            pass
+
+        def propose(self, state, length, width):
+            return self.cands
+
+    results = []
+    for cut in (False, True):
+        cache = model.make_cache(len(prompt) + 16)
+        g0, h = prefill(model, cache, prompt)
+        logits, _ = model(g0[:, None], cache.copy())  # the target's distribution after g0 (on a copy)
+        a1, x = int(mx.argmax(logits[0, -1])), int(mx.argmin(logits[0, -1]))
+        src = Fixed()
+        src.cands = mx.array([[g0.item(), x, PAD, PAD if cut else a1, PAD if cut else a1]], dtype=mx.int32)
+        before = cache.offset
+        step = speculative_step(model, cache, DecodeState(prompt + [g0.item()], g0, h), [Slot(src, 1)], 5,
+                                sampling, Rng(0))
+        assert cache.offset - before == len(step.tokens) == step.accepted + 1
+        results.append((step.tokens, cache.offset))
+    assert results[0] == results[1]

@@ -15,8 +15,9 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_redrafter.draft.redrafter import cast_floats, load_weights_into, read_checkpoint
+from mlx_redrafter.draft.redrafter import cast_floats, check_draft_vocab_size, load_weights_into, read_checkpoint
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.schema import MAX_VOCAB, MAX_WIDTH, Field, check_fields, check_object
 
 
 @dataclass(kw_only=True)
@@ -28,25 +29,27 @@ class HeadArgs:
     model_type: str
     draft_vocab_size: int | None = None  # head over a token subset (K rows)
     extra: dict[str, Any] = field(default_factory=dict)
-    REQUIRED: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size")
+    FIELDS: ClassVar[tuple[Field, ...]] = (
+        Field("vocab_size", int, 1, MAX_VOCAB, required=True),
+        Field("hidden_size", int, 1, MAX_WIDTH, required=True),
+        Field("draft_vocab_size", int, 1, MAX_VOCAB),
+        Field("model_type", str),
+    )  # subclasses add theirs
     KIND: ClassVar[str] = "head drafter"  # for messages
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> HeadArgs:
-        """Args from a config dict; unknown keys are kept in `extra`; one-line error for a bad config."""
+    def from_dict(cls, cfg: dict[str, Any], where: str | None = None) -> HeadArgs:
+        """Args from a config dict checked against `FIELDS` (types, ranges; `where` names it in messages);
+        unknown keys are kept in `extra`; a one-line UserError for a bad config."""
+        where = where or f"{cls.KIND} config.json"
+        check_object(cfg, where)
         if cfg.get("quantization") is not None:
-            raise UserError(f"quantized {cls.KIND}s are not supported (config has `quantization`)")
-        missing = [k for k in cls.REQUIRED if k not in cfg]
-        if missing:
-            raise UserError(f"{cls.KIND} config.json lacks {', '.join(missing)}")
+            raise UserError(f"quantized {cls.KIND}s are not supported ({where} has `quantization`)")
+        check_fields(cfg, cls.FIELDS, where)
+        check_draft_vocab_size(cfg, where)
         known = {f.name for f in fields(cls) if f.name != "extra"}
-        args = cls(**{k: v for k, v in cfg.items() if k in known},
+        return cls(**{k: v for k, v in cfg.items() if k in known and v is not None},
                    extra={k: v for k, v in cfg.items() if k not in known and k != "quantization"})
-        for k in cls.REQUIRED:
-            v = getattr(args, k)
-            if type(v) is not int or v <= 0:
-                raise UserError(f"{cls.KIND} config {k} = {v!r} is not a positive integer")
-        return args
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json contents (draft_vocab_size only when set)."""
@@ -102,6 +105,6 @@ class HeadDrafter(nn.Module):
         if cfg.get("model_type") != model_type:
             raise UserError(f"{weights_file.parent / 'config.json'} is a {cfg.get('model_type')!r} config, not a "
                             f"{cls.ARGS.KIND} ({model_type!r})")
-        d = cls(cls.ARGS.from_dict(cfg))
+        d = cls(cls.ARGS.from_dict(cfg, f"{cls.ARGS.KIND} config {weights_file.parent / 'config.json'}"))
         load_weights_into(d, weights_file, dtype)
         return d

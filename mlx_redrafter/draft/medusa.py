@@ -23,10 +23,12 @@ from mlx_redrafter.draft.head import HeadArgs, HeadDrafter
 from mlx_redrafter.draft.medusa_trees import DEFAULT_TREE, TreePath, check_tree, parse_tree, tree_index
 from mlx_redrafter.draft.redrafter import ResBlock
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.schema import MAX_DRAFT_LAYERS, Field
 from mlx_redrafter.sources import DecodeState
 from mlx_redrafter.tree import PAD
 
 MODEL_TYPE = "medusa"
+MAX_MEDUSA_HEADS = 64
 
 
 @dataclass(kw_only=True)
@@ -36,7 +38,9 @@ class MedusaArgs(HeadArgs):
     medusa_num_heads: int
     medusa_num_layers: int = 1
     model_type: str = MODEL_TYPE
-    REQUIRED: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "medusa_num_heads")
+    FIELDS: ClassVar[tuple[Field, ...]] = (*HeadArgs.FIELDS, Field("medusa_num_heads", int, 1, MAX_MEDUSA_HEADS,
+                                                                   required=True),
+                                           Field("medusa_num_layers", int, 0, MAX_DRAFT_LAYERS))
     KIND: ClassVar[str] = "Medusa drafter"
 
 
@@ -47,8 +51,6 @@ class MedusaHeads(HeadDrafter):
 
     def __init__(self, args: MedusaArgs):
         super().__init__(args)
-        if type(args.medusa_num_layers) is not int or args.medusa_num_layers < 0:
-            raise UserError(f"medusa_num_layers = {args.medusa_num_layers!r} is not an integer >= 0")
         H = args.hidden_size
         self.medusa_head = [
             [ResBlock(H) for _ in range(args.medusa_num_layers)] + [nn.Linear(H, args.head_rows, bias=False)]

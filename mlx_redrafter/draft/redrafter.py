@@ -27,10 +27,26 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import read_json
+from mlx_redrafter.models import safetensors_header
+from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_VOCAB, MAX_WIDTH, Field, check_fields, shown
+from mlx_redrafter.token_ids import check_id_array
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
+# config.json keys with their types and ranges (absurd sizes are refused before any module is built).
+FIELDS = (
+    Field("vocab_size", int, 1, MAX_VOCAB, required=True),
+    Field("hidden_size", int, 1, MAX_WIDTH, required=True),
+    Field("exit_dim", int, 1, MAX_WIDTH, required=True),
+    Field("num_draft_layers", int, 0, MAX_DRAFT_LAYERS, required=True),
+    Field("rnn", bool),
+    Field("emb_norm", bool),
+    Field("num_lookback_tokens", int, 1, 64),
+    Field("model_type", str),
+    Field("draft_vocab_size", int, 1, MAX_VOCAB),
+)
 
 
 @dataclass
@@ -50,19 +66,19 @@ class DrafterArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> DrafterArgs:
-        """Args from a config dict; unknown keys are kept in `extra`; one-line error for a bad config."""
+    def from_dict(cls, cfg: dict[str, Any], where: str = "drafter config.json") -> DrafterArgs:
+        """Args from a config dict checked against `FIELDS` (types, ranges; `where` names it in messages);
+        unknown keys are kept in `extra`; a one-line UserError for a bad config."""
+        check_fields(cfg, FIELDS, where)
+        check_draft_vocab_size(cfg, where)
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        missing = [k for k in ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers") if k not in cfg]
-        if missing:
-            raise UserError(f"drafter config.json lacks {', '.join(missing)}")
-        args = cls(**{k: v for k, v in cfg.items() if k in known},
+        args = cls(**{k: v for k, v in cfg.items() if k in known and v is not None},
                    extra={k: v for k, v in cfg.items() if k not in known})
         if args.quantization is not None:
             q = args.quantization
             affine = isinstance(q, dict) and q.get("mode", "affine") == "affine"
             if not affine or set(q) - {"bits", "group_size", "mode"}:
-                raise UserError(f"drafter config quantization = {q!r}: expected {{\"bits\": B, \"group_size\": G}}")
+                raise UserError(f"{where}: quantization = {shown(q)}: expected {{\"bits\": B, \"group_size\": G}}")
             args.check_quantization(q.get("bits"), q.get("group_size"))
             args.quantization = {"bits": q["bits"], "group_size": q["group_size"]}
         return args
@@ -82,6 +98,13 @@ class DrafterArgs:
             if dim % group_size:
                 raise UserError(f"{name} {dim} is not a multiple of the quantization group size {group_size}: "
                                 f"choose a group size that divides it")
+
+
+def check_draft_vocab_size(cfg: dict[str, Any], where: str) -> None:
+    """One-line error unless a (type-checked) drafter config's draft vocabulary fits in its vocabulary."""
+    if (cfg.get("draft_vocab_size") or 0) > cfg["vocab_size"]:
+        raise UserError(f"{where}: draft_vocab_size {cfg['draft_vocab_size']} is larger than vocab_size "
+                        f"{cfg['vocab_size']}")
 
 
 def check_quantization(bits: Any, group_size: Any) -> None:
@@ -256,8 +279,9 @@ def random_drafter(hidden_size: int, vocab_size: int, seed: int, exit_dim: int |
 
     With `draft_vocab_size` = K the head drafts over K random distinct token ids (cheaper drafting)."""
     mx.random.seed(seed)
-    args = DrafterArgs(vocab_size=vocab_size, hidden_size=hidden_size, exit_dim=exit_dim or 2 * hidden_size,
-                       num_draft_layers=num_draft_layers, rnn=rnn, draft_vocab_size=draft_vocab_size)
+    args = DrafterArgs.from_dict({"vocab_size": vocab_size, "hidden_size": hidden_size,
+                                  "exit_dim": exit_dim or 2 * hidden_size, "num_draft_layers": num_draft_layers,
+                                  "rnn": rnn, "draft_vocab_size": draft_vocab_size}, "random drafter")
     d = Drafter(args)
     if draft_vocab_size:
         d.draft_vocab = mx.sort(mx.random.permutation(vocab_size)[:draft_vocab_size]).astype(mx.int32)
@@ -289,20 +313,16 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Path]:
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise UserError(f"drafter {path}: config.json is missing next to the weights")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"drafter config {cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"drafter config {cfg_file} is not a JSON object")
-    return cfg, weights_file
+    return read_json(cfg_file, "drafter config"), weights_file
 
 
 def load_weights_into(module: nn.Module, weights_file: Path, dtype: mx.Dtype | None) -> None:
     """Load `weights_file` into a drafter module built from its config (strict), keep `draft_vocab` int32 and
-    cast float tensors to `dtype` (None: keep the stored dtypes)."""
+    cast float tensors to `dtype` (None: keep the stored dtypes). The file's layout is checked before MLX reads it,
+    and a draft vocabulary must hold token ids inside the drafter's vocabulary."""
+    safetensors_header.read_header(weights_file, "drafter weights")
     try:
-        weights = mx.load(str(weights_file))
+        weights = mx.load(str(weights_file), format="safetensors")
     except Exception as e:
         raise UserError(f"cannot read drafter weights {weights_file}: {str(e).splitlines()[0]}") from None
     try:
@@ -311,6 +331,7 @@ def load_weights_into(module: nn.Module, weights_file: Path, dtype: mx.Dtype | N
         detail = str(e).splitlines()[0]
         raise UserError(f"drafter weights {weights_file} do not match its config.json: {detail}") from None
     if "draft_vocab" in module:
+        check_id_array(module.draft_vocab, module.args.vocab_size, f"drafter weights {weights_file}: draft_vocab")
         module.draft_vocab = module.draft_vocab.astype(mx.int32)
     if dtype is not None:
         cast_floats(module, dtype)
@@ -326,7 +347,7 @@ def load_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> Draft
     if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise UserError(f"{weights_file.parent / 'config.json'} is a {cfg.get('model_type')!r} config, not a "
                         f"ReDrafter drafter")
-    drafter = Drafter(DrafterArgs.from_dict(cfg))
+    drafter = Drafter(DrafterArgs.from_dict(cfg, f"drafter config {weights_file.parent / 'config.json'}"))
     load_weights_into(drafter, weights_file, dtype)
     return drafter
 

@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx_redrafter.draft.head import HeadArgs, HeadDrafter
 from mlx_redrafter.draft.redrafter import ResBlock
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_WIDTH, Field
 from mlx_redrafter.sources import RnnSource
 
 MODEL_TYPE = "semi_ar_drafter"
@@ -46,14 +47,11 @@ class SemiARArgs(HeadArgs):
     num_layers: int = 1  # ResBlocks in the head
     max_draft_len: int = 8  # attention positions of the simplified transformer (later positions share the last)
     model_type: str = MODEL_TYPE
-    REQUIRED: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "tlm_dim", "exit_dim")
+    FIELDS: ClassVar[tuple[Field, ...]] = (
+        *HeadArgs.FIELDS, Field("tlm", str, choices=TLMS, required=True),
+        Field("tlm_dim", int, 1, MAX_WIDTH, required=True), Field("exit_dim", int, 1, MAX_WIDTH, required=True),
+        Field("num_layers", int, 0, MAX_DRAFT_LAYERS), Field("max_draft_len", int, 1, 1024))
     KIND: ClassVar[str] = "semi-AR drafter"
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> SemiARArgs:
-        if cfg.get("tlm") not in TLMS:
-            raise UserError(f"semi-AR drafter config tlm = {cfg.get('tlm')!r}: expected one of {', '.join(TLMS)}")
-        return super().from_dict(cfg)
 
 
 class SemiARDrafter(HeadDrafter):

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import read_json
+from mlx_redrafter.models import safetensors_header
 
 # What a model directory needs (mlx-lm's own list, minus code files).
 PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
@@ -40,15 +42,48 @@ def _download(repo: str, filename: str | None, local_only: bool) -> Path:
     return Path(snapshot_download(repo, allow_patterns=PATTERNS, local_files_only=local_only))
 
 
+def missing_files(snapshot: Path) -> list[str]:
+    """What a model directory snapshot still lacks ([] when it is complete): config.json, a tokenizer, and its
+    weights: every shard its model.safetensors.index.json lists (else at least one *.safetensors), each with a
+    header that fits its size. An interrupted download leaves a snapshot with some of them: rerunning the
+    download then fetches the rest."""
+    missing = [] if (snapshot / "config.json").is_file() else ["config.json"]
+    if not any((snapshot / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        missing.append("tokenizer.json")
+    index = snapshot / "model.safetensors.index.json"
+    try:
+        shards = sorted(set(read_json(index, "weight index")["weight_map"].values())) if index.is_file() else []
+    except (UserError, KeyError, TypeError, AttributeError):
+        shards = []  # an unreadable index: the shards present decide
+    shards = shards or sorted(f.name for f in snapshot.glob("*.safetensors")) or ["model.safetensors"]
+    for name in shards:
+        f = snapshot / str(name)
+        try:
+            safetensors_header.read_header(f)
+        except UserError:
+            missing.append(str(name))
+    return missing
+
+
 def cached(repo: str, filename: str | None = None) -> Path | None:
-    """The local copy of a repo (or one file of it) if the HF cache holds it completely, else None."""
+    """The local copy of a repo (or one file of it) if the HF cache holds it completely, else None (a snapshot
+    that an interrupted download left incomplete included: see `missing_files`)."""
     try:
         path = _download(repo, filename, local_only=True)
     except Exception:  # not cached, incomplete, or a malformed repo id
         return None
-    if filename is None and not any(path.glob("*.safetensors")) and not (path / "config.json").exists():
+    if filename is None and missing_files(path):
         return None
     return path
+
+
+def partial(repo: str) -> list[str]:
+    """The files an interrupted download of a model directory left missing ([] when there is no such snapshot)."""
+    try:
+        path = _download(repo, None, local_only=True)
+    except Exception:
+        return []
+    return missing_files(path)
 
 
 def _unreachable(endpoint: str) -> str | None:
@@ -73,13 +108,19 @@ def fetch(repo: str, filename: str | None = None, label: str | None = None) -> P
     path = cached(repo, filename)
     if path is not None:
         return path
+    lacking = partial(repo) if filename is None else []
+    shown = f"{', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}"
     if constants.HF_HUB_OFFLINE:
+        if lacking:
+            raise UserError(f"{what} is only partly in the Hugging Face cache (missing: {shown}; an interrupted "
+                            f"download?) and HF_HUB_OFFLINE is set: rerun with the network to resume it, or {hint}")
         raise UserError(f"{what} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: {hint}")
     why = _unreachable(constants.ENDPOINT)
     if why is not None:
         raise UserError(f"cannot download {what}: {constants.ENDPOINT} is unreachable ({why}) and the model is not "
                         f"in the Hugging Face cache; {hint}")
-    print(f"downloading {what} into the Hugging Face cache (resumable: rerun to continue)...", file=sys.stderr)
+    action = f"resuming the download of {what} (missing: {shown})" if lacking else f"downloading {what}"
+    print(f"{action} into the Hugging Face cache (resumable: rerun to continue)...", file=sys.stderr)
     try:
         return _download(repo, filename, local_only=False)
     except Exception as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,9 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import read_json
 from mlx_redrafter.model import Model, ModelArgs
-from mlx_redrafter.models import hub, registry
-from mlx_redrafter.models.gguf import gguf_config, gguf_weights, read_gguf
+from mlx_redrafter.models import hub, registry, safetensors_header
+from mlx_redrafter.models.config import check_model_config, quantization
+from mlx_redrafter.models.gguf import gguf_weights, read_gguf
 from mlx_redrafter.models.templates import pick_template
 from mlx_redrafter.models.tokenizer import TextTokenizer
 
@@ -103,26 +104,27 @@ def dequantize_weights(weights: dict[str, mx.array], quant: dict[str, dict], dty
 
 
 def build_model(cfg: dict[str, Any], weights: dict[str, mx.array], quant: dict[str, dict], dtype: str) -> Model:
-    """Instantiate the Llama model and load weights, dequantized to `dtype` or kept quantized."""
+    """Instantiate the Llama model (from a config checked by `check_model_config`) and load weights, dequantized
+    to `dtype` or kept quantized."""
     args = ModelArgs.from_dict(cfg)
     if "lm_head.weight" not in weights:
         args.tie_word_embeddings = True
     elif cfg.get("tie_word_embeddings") is None:
         args.tie_word_embeddings = False
     model = Model(args)
-    if dtype == "quantized":
-        act = mx.float16
-        nn.quantize(
-            model,
-            class_predicate=lambda path, m: (
-                {"group_size": quant[path]["group_size"], "bits": quant[path]["bits"]} if path in quant else False
-            ),
-        )
-        weights = {k: (v.astype(act) if k.rsplit(".", 1)[0] not in quant and mx.issubdtype(v.dtype, mx.floating)
-                       else v) for k, v in weights.items()}
-    else:
-        weights = dequantize_weights(weights, quant, DTYPES[dtype])
-    try:
+    try:  # MLX reports shapes that do not fit (weights, scales, the config) as ValueError
+        if dtype == "quantized":
+            act = mx.float16
+            nn.quantize(
+                model,
+                class_predicate=lambda path, m: (
+                    {"group_size": quant[path]["group_size"], "bits": quant[path]["bits"]} if path in quant else False
+                ),
+            )
+            weights = {k: (v.astype(act) if k.rsplit(".", 1)[0] not in quant and mx.issubdtype(v.dtype, mx.floating)
+                           else v) for k, v in weights.items()}
+        else:
+            weights = dequantize_weights(weights, quant, DTYPES[dtype])
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"model weights do not match a Llama model: {str(e).splitlines()[0]}") from None
@@ -135,12 +137,9 @@ def _load_dir(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], T
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise UserError(f"{path} is not a model directory (no config.json)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {cfg_file}: {type(e).__name__}") from None
-    if cfg.get("model_type") not in ("llama", "mistral", None):
-        raise UserError(f"model_type {cfg.get('model_type')!r} is not supported (Llama-family only)")
+    cfg = read_json(cfg_file, "model config")
+    check_model_config(cfg, f"model config {cfg_file}")
+    qcfg = quantization(cfg, f"model config {cfg_file}")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         bins = " (PyTorch .bin weights are not read: re-save the model with safetensors)" if any(
@@ -148,6 +147,7 @@ def _load_dir(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], T
         raise UserError(f"{path} has no *.safetensors weights{bins}")
     weights: dict[str, mx.array] = {}
     for f in files:
+        safetensors_header.read_header(f, "model weights")
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
@@ -155,7 +155,6 @@ def _load_dir(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], T
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}  # HF buffers, recomputed
     if cfg.get("tie_word_embeddings") and "lm_head.weight" in weights:
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-    qcfg = cfg.get("quantization") or cfg.get("quantization_config") or {}
     quant: dict[str, dict] = {}
     for k in weights:
         if k.endswith(".scales"):
@@ -173,10 +172,9 @@ def read_checkpoint(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, di
         return _load_dir(path)
     if path.stat().st_size == 0:
         raise UserError(f"model file {path} is empty")
-    tensors, meta = read_gguf(str(path))
-    cfg = gguf_config(meta)
+    tensors, meta, cfg = read_gguf(path)
     weights, quant = gguf_weights(tensors, cfg)
-    return cfg, weights, quant, TextTokenizer.from_gguf_metadata(meta)
+    return cfg, weights, quant, TextTokenizer.from_gguf_metadata(meta, f"GGUF file {path}")
 
 
 def apply_template(tokenizer: TextTokenizer, name: str, path: Path, cfg: dict[str, Any]) -> None:
@@ -194,4 +192,5 @@ def load_target(spec: str | None = None, dtype: str = "auto") -> Target:
     apply_template(tokenizer, name, path, cfg)
     chosen = pick_dtype(dtype, bool(quant))
     model = build_model(cfg, weights, quant, chosen)
+    tokenizer.id_limit = model.args.vocab_size  # ids the embedding has rows for (TextTokenizer.check_ids)
     return Target(model=model, tokenizer=tokenizer, name=name, path=path, dtype=chosen)

@@ -16,6 +16,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import read_bytes
 
 _BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -89,7 +90,7 @@ class SentencePieceBackend:
 
 def from_file(path: Path, added: dict[str, int] | None = None, legacy: bool = True) -> SentencePieceBackend:
     """A backend from a `tokenizer.model` file; a one-line UserError if it is not a SentencePiece model."""
-    data = path.read_bytes()
+    data = read_bytes(path, "SentencePiece model")
     try:
         return SentencePieceBackend(data, added, legacy)
     except Exception as e:  # sentencepiece raises RuntimeError/DecodeError with long messages
@@ -97,22 +98,20 @@ def from_file(path: Path, added: dict[str, int] | None = None, legacy: bool = Tr
 
 
 def proto_from_gguf(meta: dict[str, Any]) -> bytes:
-    """A SentencePiece model (serialized) from a GGUF `llama` tokenizer: pieces, scores and token types."""
+    """A SentencePiece model (serialized) from a GGUF `llama` tokenizer (metadata as Python values, checked by
+    `gguf.check_metadata`): pieces, scores and token types."""
     tokens = list(meta["tokenizer.ggml.tokens"])
-    scores = meta.get("tokenizer.ggml.scores")
-    scores = [float(s) for s in scores.tolist()] if scores is not None else [0.0] * len(tokens)
-    types = meta.get("tokenizer.ggml.token_type")
-    types = [int(t) for t in types.tolist()] if types is not None else [1] * len(tokens)
+    scores = [float(s) for s in meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)]
     m = pb.ModelProto()
     m.trainer_spec.model_type = pb.TrainerSpec.BPE
     m.trainer_spec.vocab_size = len(tokens)
     m.trainer_spec.byte_fallback = 6 in types
     for key, field in (("unknown", "unk_id"), ("bos", "bos_id"), ("eos", "eos_id"), ("padding", "pad_id")):
         v = meta.get(f"tokenizer.ggml.{key}_token_id")
-        setattr(m.trainer_spec, field, int(v.item()) if v is not None else -1)
-    add_space = meta.get("tokenizer.ggml.add_space_prefix")
+        setattr(m.trainer_spec, field, int(v) if v is not None else -1)
     m.normalizer_spec.name = "identity"
-    m.normalizer_spec.add_dummy_prefix = bool(add_space.item()) if add_space is not None else True
+    m.normalizer_spec.add_dummy_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     m.normalizer_spec.remove_extra_whitespaces = False
     m.normalizer_spec.escape_whitespaces = True
     for tok, score, ty in zip(tokens, scores, types):

@@ -11,7 +11,11 @@ from typing import Any, Protocol
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import read_bytes, read_json, read_text
 from mlx_redrafter.models import spm, templates
+from mlx_redrafter.models.gguf import TOKENIZER_KINDS
+from mlx_redrafter.schema import shown
+from mlx_redrafter.token_ids import check_token_ids
 
 _EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
 
@@ -64,6 +68,7 @@ class TextTokenizer:
         self.eos_ids = sorted(set(int(i) for i in eos_ids))
         self.bos_token, self.eos_token = bos_token, eos_token
         self.vocab_size = self.backend.vocab_size
+        self.id_limit: int | None = None  # set by the loader: the model's vocabulary (rows of its embedding)
 
     @property
     def kind(self) -> str:
@@ -71,8 +76,18 @@ class TextTokenizer:
         return "sentencepiece" if isinstance(self.backend, spm.SentencePieceBackend) else "bpe"
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of text (no BOS added; special tokens written in the text map to their ids)."""
-        return self.backend.encode(text)
+        """Token ids of text (no BOS added; special tokens written in the text map to their ids). With an
+        `id_limit`, an id the model has no embedding row for is a one-line UserError."""
+        ids = self.backend.encode(text)
+        if self.id_limit is not None and ids and max(ids) >= self.id_limit:
+            raise UserError(f"the tokenizer gave token id {max(ids)} but the model's vocabulary has {self.id_limit} "
+                            f"tokens: the tokenizer files do not belong to this model")
+        return ids
+
+    def check_ids(self, ids: Any, what: str) -> list[int]:
+        """Token ids given by a caller (e.g. a prompt as ids), as ints; a one-line UserError unless each is inside
+        the model's vocabulary (`id_limit`, else the tokenizer's)."""
+        return check_token_ids(ids, self.id_limit or self.vocab_size, what)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids, special tokens included."""
@@ -87,7 +102,8 @@ class TextTokenizer:
         if not self.chat_template:
             return "".join(m["content"] for m in messages)
         return templates.render(self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                                add_generation_prompt=add_generation_prompt)
+                                add_generation_prompt=add_generation_prompt,
+                                name=f"the chat template ({self.template_source})")
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of messages rendered with the chat template, ready for the assistant's reply."""
@@ -113,61 +129,110 @@ class TextTokenizer:
         return [*files, "tokenizer_config.json"]
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> TextTokenizer:
-        """The tokenizer stored in a GGUF file: `gpt2` (byte-level BPE) or `llama` (SentencePiece)."""
+    def from_gguf_metadata(cls, meta: dict[str, Any], where: str = "the GGUF file") -> TextTokenizer:
+        """The tokenizer stored in a GGUF file: `gpt2` (byte-level BPE) or `llama` (SentencePiece). `meta` holds
+        Python values checked by `gguf.check_metadata` (ids inside the vocabulary, merges present)."""
         kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = list(meta.get("tokenizer.ggml.tokens", []))
-        if kind == "llama":
-            backend: Any = spm.SentencePieceBackend(spm.proto_from_gguf(meta))
-        elif kind == "gpt2":
-            backend = HFBackend(_bpe_from_gguf(meta, tokens))
-        else:
+        if kind not in TOKENIZER_KINDS:
             raise UserError(f"GGUF tokenizer type {kind!r} is not supported (gpt2 and llama are); use an mlx-lm "
                             f"model directory instead")
+        try:
+            if kind == "llama":
+                backend: Any = spm.SentencePieceBackend(spm.proto_from_gguf(meta))
+            else:
+                backend = HFBackend(_bpe_from_gguf(meta, tokens))
+        except Exception as e:  # sentencepiece / tokenizers reject a malformed vocabulary with long messages
+            raise UserError(f"the tokenizer in {where} cannot be built: {_first_line(e)}") from None
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        eos_ids = {int(eos.item())} if eos is not None else set()
+        eos_ids = {eos} if eos is not None else set()
         eos_ids |= {tokens.index(n) for n in _EOS_NAMES if n in tokens}
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
             backend, meta.get("tokenizer.chat_template"), eos_ids,
-            bos_token=tokens[int(bos.item())] if bos is not None else "",
-            eos_token=tokens[int(eos.item())] if eos is not None else "",
+            bos_token=tokens[bos] if bos is not None else "",
+            eos_token=tokens[eos] if eos is not None else "",
         )
 
     @classmethod
     def from_dir(cls, path: Path, config: dict[str, Any]) -> TextTokenizer:
-        """The tokenizer of an HF / mlx-lm directory: tokenizer.json, else a SentencePiece tokenizer.model."""
+        """The tokenizer of an HF / mlx-lm directory: tokenizer.json, else a SentencePiece tokenizer.model. Every
+        file is checked as it is read (JSON objects, ids that are integers, token texts that are strings)."""
         tcfg = _read_json(path / "tokenizer_config.json")
         gcfg = _read_json(path / "generation_config.json")
         smap = _read_json(path / "special_tokens_map.json")
         if (path / "tokenizer.json").exists():
+            read_bytes(path / "tokenizer.json", "tokenizer file")  # a directory or unreadable: one line
             try:
                 backend: Any = HFBackend(Tokenizer.from_file(str(path / "tokenizer.json")))
             except Exception as e:  # tokenizers raises a bare Exception with a long message
-                raise UserError(f"cannot read {path / 'tokenizer.json'}: {str(e).splitlines()[0]}") from None
+                raise UserError(f"cannot read {path / 'tokenizer.json'}: {_first_line(e)}") from None
         elif (path / "tokenizer.model").exists():
-            added = {**_read_json(path / "added_tokens.json"),
-                     **{_token_text(v): int(k) for k, v in tcfg.get("added_tokens_decoder", {}).items()}}
+            added = {**_id_map(_read_json(path / "added_tokens.json"), path / "added_tokens.json"),
+                     **_added_tokens_decoder(tcfg, path / "tokenizer_config.json")}
             backend = spm.from_file(path / "tokenizer.model", added, legacy=tcfg.get("legacy", True) is not False)
         else:
             raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model): add the model's "
                             f"Hugging Face tokenizer files")
-        template = tcfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if template is None and (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text()
-        if template is None and (path / "chat_template.json").exists():
-            template = _read_json(path / "chat_template.json").get("chat_template")
+        template = _chat_template(path, tcfg)
         eos_ids: set[int] = set()
-        for src in (config.get("eos_token_id"), gcfg.get("eos_token_id")):
-            eos_ids |= set(src if isinstance(src, list) else [src] if src is not None else [])
-        eos_tok = _token_text(tcfg.get("eos_token")) or _token_text(smap.get("eos_token")) or _id_text(
+        for src, file in ((config.get("eos_token_id"), "config.json"), (gcfg.get("eos_token_id"),
+                                                                         "generation_config.json")):
+            ids = src if isinstance(src, list) else [src] if src is not None else []
+            if not all(type(i) is int and i >= 0 for i in ids):
+                raise UserError(f"{path / file}: eos_token_id = {shown(src)} is not a token id or a list of them")
+            eos_ids |= set(ids)
+        where = path / "tokenizer_config.json"
+        eos_tok = _token_text(tcfg.get("eos_token"), where) or _token_text(smap.get("eos_token"), where) or _id_text(
             backend, config.get("eos_token_id"))
-        bos_tok = _token_text(tcfg.get("bos_token")) or _token_text(smap.get("bos_token")) or _id_text(
+        bos_tok = _token_text(tcfg.get("bos_token"), where) or _token_text(smap.get("bos_token"), where) or _id_text(
             backend, config.get("bos_token_id"))
         eos_ids |= {i for n in (*_EOS_NAMES, eos_tok) if n and (i := backend.token_to_id(n)) is not None}
         return cls(backend, template, eos_ids, bos_token=bos_tok or "", eos_token=eos_tok or "")
+
+
+def _chat_template(path: Path, tcfg: dict[str, Any]) -> str | None:
+    """The directory's chat template: tokenizer_config.json's (a string, or a list of named ones: "default"),
+    else chat_template.jinja, else chat_template.json's."""
+    where = path / "tokenizer_config.json"
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        if not all(isinstance(t, dict) for t in template):
+            raise UserError(f"{where}: chat_template is a list whose entries are not {{\"name\", \"template\"}} "
+                            f"objects")
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is None and (path / "chat_template.jinja").exists():
+        return read_text(path / "chat_template.jinja", "chat template")
+    if template is None and (path / "chat_template.json").exists():
+        where = path / "chat_template.json"
+        template = _read_json(where).get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{where}: chat_template = {shown(template)} is not a string (a Jinja template)")
+    return template
+
+
+def _id_map(m: dict[str, Any], where: Path) -> dict[str, int]:
+    """{token text: id} of added_tokens.json, checked."""
+    if not all(type(i) is int and i >= 0 for i in m.values()):
+        raise UserError(f"{where} must map token texts to token ids (integers >= 0)")
+    return m
+
+
+def _added_tokens_decoder(tcfg: dict[str, Any], where: Path) -> dict[str, int]:
+    """{token text: id} of tokenizer_config.json's added_tokens_decoder ({"id": {"content": text, ...}}), checked."""
+    dec = tcfg.get("added_tokens_decoder", {})
+    out: dict[str, int] = {}
+    for k, v in (dec.items() if isinstance(dec, dict) else [(None, None)]):
+        text = v.get("content") if isinstance(v, dict) else v
+        if not (isinstance(k, str) and k.isdigit() and isinstance(text, str)):
+            raise UserError(f"{where}: added_tokens_decoder must map ids to {{\"content\": text}} objects (entry "
+                            f"{shown(k)}: {shown(v)})")
+        out[text] = int(k)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _bpe_from_gguf(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
@@ -185,8 +250,7 @@ def _bpe_from_gguf(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type")
-    types = [int(t) for t in types.tolist()] if types is not None else [1] * len(tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
     )
@@ -196,21 +260,20 @@ def _bpe_from_gguf(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
 def _id_text(backend: Backend, i: Any) -> str | None:
     """The text of token id `i` from a config (an int, a list: its first, or None)."""
     i = i[0] if isinstance(i, list) and i else i
-    return backend.id_to_token(int(i)) if isinstance(i, int) else None
+    return backend.id_to_token(i) if type(i) is int and i >= 0 else None
 
 
-def _token_text(t: Any) -> str | None:
-    return t.get("content") if isinstance(t, dict) else t
+def _token_text(t: Any, where: Path) -> str | None:
+    """A special token's text from a tokenizer config: a string, or an AddedToken object {"content": text}."""
+    text = t.get("content") if isinstance(t, dict) else t
+    if text is not None and not isinstance(text, str):
+        raise UserError(f"{where}: a special token is {shown(t)}, not a string or {{\"content\": text}}")
+    return text
 
 
 def _read_json(p: Path) -> dict[str, Any]:
-    if not p.exists():
-        return {}
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {p}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    return data if isinstance(data, dict) else {}
+    """A tokenizer JSON file's object ({} when the file is absent)."""
+    return read_json(p, "tokenizer file") if p.exists() else {}
 
 
 class StreamingDetokenizer:
