@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.files import read_json
+from mlx_redrafter.files import fsync_tree, read_json
 from mlx_redrafter.models import safetensors_header
 from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_VOCAB, MAX_WIDTH, Field, check_fields, shown
 from mlx_redrafter.token_ids import check_id_array
@@ -372,6 +372,7 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra_files: dict[str, s
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         tmp.chmod(0o755)  # mkdtemp creates 0700
+        fsync_tree(tmp)
         if out.exists():
             backup = out.with_name(f".{out.name}.old")
             shutil.rmtree(backup, ignore_errors=True)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.files import write_atomic
+from mlx_redrafter.files import read_json, write_atomic
 
 FORMAT = "redrafter-mlx-corpus/1"
 # Identity keys a manifest may lack because it predates them: corpora made before sources were recorded hold the
@@ -101,11 +101,8 @@ def sha256_file(path: Path) -> str:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"{path} is not valid UTF-8 JSON: restore it from git (git checkout -- {path})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    manifest = read_json(path, "corpus manifest")
+    if manifest.get("format") != FORMAT:
         raise UserError(f"{path} is not a {FORMAT} manifest: restore it from git (git checkout -- {path})")
     if not isinstance(manifest.setdefault("shards", {}), dict):
         raise UserError(f"{path}: 'shards' is not an object: restore it from git (git checkout -- {path})")

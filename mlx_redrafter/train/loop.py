@@ -18,7 +18,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_redrafter.draft.kinds import load_any_drafter
 from mlx_redrafter.draft.redrafter import Drafter, DrafterArgs, check_compatible, save_drafter
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import read_json
 from mlx_redrafter.models.loader import Target
+from mlx_redrafter.models.safetensors_header import read_header
 from mlx_redrafter.train.data import Batch, Examples, draft_vocabulary, make_batch
 from mlx_redrafter.train.kinds import check_kind, kind_of, new_head_drafter
 from mlx_redrafter.train.loss import hard_loss, soft_loss, teacher_forced_logits
@@ -162,11 +164,14 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
         if kind_of(drafter) != cfg.kind:
             raise UserError(f"{ckpt} holds a {kind_of(drafter)} drafter, not {cfg.kind}: use another --run-dir, or "
                             f"--restart to start over there")
-        st = json.loads((ckpt / "trainer_state.json").read_text())
-        start, history = int(st["step"]), st.get("history", [])
+        st = read_json(ckpt / "trainer_state.json", "training state")
+        if type(st.get("step")) is not int or not 0 <= st["step"] or not isinstance(st.get("history", []), list):
+            raise UserError(f"{ckpt / 'trainer_state.json'} has no valid step: delete the checkpoint, or --restart")
+        start, history = st["step"], st.get("history", [])
         if not (ckpt / "optimizer.safetensors").exists():
             raise UserError(f"{ckpt} is incomplete (no optimizer.safetensors): delete it, or pass --restart")
         opt.init(drafter.trainable_parameters())
+        read_header(ckpt / "optimizer.safetensors", "optimizer state")
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
         log(f"resumed from {ckpt} at step {start}")
     elif cfg.init_from:
