@@ -112,7 +112,8 @@ def replay_heldout(drafter_dir: Path, target, heldout_root: Path, features_root:
                    max_tokens: int, width: int = 1, length: int = 4) -> dict[str, Any]:
     """Tokens per target call of the drafter alone (rnn, W x L), replayed on held-out greedy sequences."""
     from mlx_redrafter.api import resolve_drafter
-    from mlx_redrafter.sources import Allocator, RnnSource, Slot
+    from mlx_redrafter.draft.base import Allocator, Slot
+    from mlx_redrafter.draft.redrafter import RnnSource
     from mlx_redrafter.train.corpus import load_shard
     from mlx_redrafter.train.features import ensure, load_features
     from mlx_redrafter.train.pipeline import open_corpus

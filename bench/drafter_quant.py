@@ -55,7 +55,7 @@ def run(num_prompts: int = 12, max_tokens: int = 128, repeats: int = 20, out_dir
     """Quantize, decode, time; write quantized-drafter.json / .md under `out_dir`."""
     from mlx_redrafter import api
     from mlx_redrafter.draft.redrafter import dequantize_drafter, load_drafter, quantize_drafter, save_drafter
-    from mlx_redrafter.generate import Stats
+    from mlx_redrafter.generate import collect
     from mlx_redrafter.prompts import first_turns
     from mlx_redrafter.system.machine_state import MachineWatch
 
@@ -70,23 +70,21 @@ def run(num_prompts: int = 12, max_tokens: int = 128, repeats: int = 20, out_dir
     for bits in (8, 4):
         dirs[f"{bits}-bit g{GROUP}"] = save_drafter(quantize_drafter(load_drafter(shipped_dir), bits, GROUP),
                                                     tmp / f"q{bits}")
-    prompts = [api.encode_prompt(api.Runner(target, None, "none"), r["prompt"])
+    prompts = [api.encode_prompt(api.LoadedModel(target, None, "none"), r["prompt"])
                for r in first_turns(None, num_prompts)]
     h = mx.random.normal((1, target.model.args.hidden_size), key=mx.random.key(0))
     embed = target.model.embed
     variants = []
     for name, path in dirs.items():
         kept = load_drafter(path, dtype=mx.float32)  # quantized ones stay quantized (float32 scales)
-        runner = api.Runner(target, kept, name)
+        lm = api.LoadedModel(target, kept, name)
         rec: dict[str, Any] = {"drafter": name, "dir": str(path), "bytes_mb": round(drafter_bytes(kept) / 1e6, 2),
                                "quantization": kept.args.quantization, "acceptance": []}
         for w, length in SHAPES:
-            opts = api.DecodeOptions(draft="rnn", beam_width=w, beam_length=length, max_tokens=max_tokens)
+            opts = api.decode_options(draft="rnn", beam_width=w, beam_length=length, max_tokens=max_tokens)
             steps, decided, draft_s, per_prompt = 0, 0.0, 0.0, []
             for ids in prompts:
-                st = Stats()
-                for _ in api.decode(runner, ids, opts, stats=st):
-                    pass
+                _, st = collect(api.decode(lm, ids, opts))
                 per_prompt.append(st.tokens_per_step)
                 steps += st.steps
                 decided += st.tokens_per_step * st.steps

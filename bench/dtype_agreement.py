@@ -48,8 +48,8 @@ def _allocator(target: Any, drafters: dict[str, Any], draft: str, drafter: str |
     """The runtime's allocator (`api.make_allocator`) for one run: ngram lookup, adaptive."""
     from mlx_redrafter import api
 
-    runner = api.Runner(target, drafters[drafter] if drafter else None, drafter or "none")
-    return api.make_allocator(runner, api.DecodeOptions(draft=draft, beam_width=max(rnn_w, 1), beam_length=LENGTH,
+    lm = api.LoadedModel(target, drafters[drafter] if drafter else None, drafter or "none")
+    return api.make_allocator(lm, api.decode_options(draft=draft, beam_width=max(rnn_w, 1), beam_length=LENGTH,
                                                         lookup_width=max(lookup_w, 1)))
 
 
@@ -102,7 +102,7 @@ def run_dtype(dtype: str, num_prompts: int, max_tokens: int, calibrate_prompts: 
     """Every run on every prompt for one dtype; the raw record is rewritten to `out` after each prompt."""
     from mlx_redrafter.api import resolve_drafter
     from mlx_redrafter.draft.redrafter import random_drafter
-    from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
+    from mlx_redrafter.generate import collect, generate_ar, generate_speculative
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
     from mlx_redrafter.system.machine_state import MachineWatch
@@ -129,16 +129,17 @@ def run_dtype(dtype: str, num_prompts: int, max_tokens: int, calibrate_prompts: 
         base.advance(len(prompt) - 1)
         mx.eval(base.state())
         t0 = time.perf_counter()
-        ar = sum(generate_ar(model, prompt[-1:], max_tokens=max_tokens, eos_ids=tok.eos_ids, cache=base.copy()), [])
+        ar, _ = collect(generate_ar(model, prompt[-1:], max_tokens=max_tokens, eos_ids=tok.eos_ids, cache=base.copy(),
+                                    history=prompt[:-1]))
         prec: dict[str, Any] = {"id": row.get("question_id", k), "category": row.get("category", ""),
                                 "prompt_tokens": len(prompt), "ar_tokens": len(ar),
                                 "ar_s": round(time.perf_counter() - t0, 1), "runs": {}}
         for name, draft, drafter, rnn_w, lookup_w in runs:
-            st, t0 = Stats(), time.perf_counter()
-            got = sum(generate_speculative(model, prompt[-1:], _allocator(target, drafters, draft, drafter, rnn_w,
-                                                                          lookup_w),
-                                           length=LENGTH, max_tokens=max_tokens, eos_ids=tok.eos_ids, stats=st,
-                                           cache=base.copy(), history=prompt[:-1]), [])
+            t0 = time.perf_counter()
+            got, st = collect(generate_speculative(model, prompt[-1:], _allocator(target, drafters, draft, drafter,
+                                                                                  rnn_w, lookup_w),
+                                                   length=LENGTH, max_tokens=max_tokens, eos_ids=tok.eos_ids,
+                                                   cache=base.copy(), history=prompt[:-1]))
             ag = compare(model, prompt, ar, got)
             prec["runs"][name] = {**ag.as_dict(), "tokens_per_step": round(st.tokens_per_step, 3),
                                   "steps": st.steps, "seconds": round(time.perf_counter() - t0, 1)}
@@ -220,7 +221,7 @@ def calibrate_vs_float32(dtype: str, num_prompts: int, positions: int, out_dir: 
 
     Also the flips rounding causes: AR in `dtype` vs AR of the float32 reference on each prompt, judged by
     `compare` (the gap of the `dtype` path where they first differ): real rounding flips to set the bound by."""
-    from mlx_redrafter.generate import generate_ar
+    from mlx_redrafter.generate import collect, generate_ar
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
 
@@ -231,10 +232,10 @@ def calibrate_vs_float32(dtype: str, num_prompts: int, positions: int, out_dir: 
     recs, flips = [], []
     for k, row in enumerate(first_turns(None, num_prompts, spread=True)):
         prompt = tok.encode_chat([{"role": "user", "content": row["prompt"]}])
-        cont = sum(generate_ar(dense32, prompt, max_tokens=positions, eos_ids=tok.eos_ids), [])
-        ar_ref = cont if ref is dense32 else sum(generate_ar(ref, prompt, max_tokens=positions,
-                                                             eos_ids=tok.eos_ids), [])
-        ar = sum(generate_ar(model, prompt, max_tokens=positions, eos_ids=tok.eos_ids), [])
+        cont = collect(generate_ar(dense32, prompt, max_tokens=positions, eos_ids=tok.eos_ids))[0]
+        ar_ref = cont if ref is dense32 else collect(generate_ar(ref, prompt, max_tokens=positions,
+                                                                 eos_ids=tok.eos_ids))[0]
+        ar = collect(generate_ar(model, prompt, max_tokens=positions, eos_ids=tok.eos_ids))[0]
         flips.append({"prompt": row.get("question_id", k), **compare(model, prompt, ar, ar_ref).as_dict()})
         seq = prompt + cont[:-1]
         n = len(cont)

@@ -68,7 +68,7 @@ def _quantized_copy(drafter: Any) -> Any:
 def measure(dtype: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One dtype: computed sizes and measured peaks (MB)."""
     from mlx_redrafter import api
-    from mlx_redrafter.generate import Stats
+    from mlx_redrafter.generate import collect
     from mlx_redrafter.models.loader import load_target
 
     gc.collect()
@@ -77,8 +77,8 @@ def measure(dtype: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     model, tok = target.model, target.tokenizer
     ids = tok.encode(PROMPT)
     n = TOKENS[dtype]
-    opts = api.DecodeOptions(max_tokens=n)  # W=1 + lookup 1, L=3
-    budget = (opts.beam_width + opts.lookup_width) * opts.beam_length
+    opts = api.decode_options(max_tokens=n)  # W=1 + lookup 1, L=3
+    budget = (opts.shape.width + opts.lookup.width) * opts.shape.length
     rec: dict[str, Any] = {"dtype": dtype, "activations": str(model.dtype).rsplit(".", 1)[-1],
                            "target_mb": round(param_bytes(model) / MB, 1),
                            "kv_kb_per_token": round(kv_bytes_per_token(model) / 1e3, 2),
@@ -87,16 +87,14 @@ def measure(dtype: str, log: Callable[[str], None] = print) -> dict[str, Any]:
                            "prompt_tokens": len(ids), "new_tokens": n}
     for c in CONTEXTS:
         rec[f"kv_mb_ctx{c}"] = round(c * kv_bytes_per_token(model) / MB, 1)
-    ar = Stats()
-    runner = api.Runner(target, None, "none")
-    out_ar = sum(api.decode(runner, ids, api.DecodeOptions(draft="none", max_tokens=n), stats=ar), [])
+    lm = api.LoadedModel(target, None, "none")
+    out_ar, ar = collect(api.decode(lm, ids, api.decode_options(draft="none", max_tokens=n)))
     rec["peak_ar_mb"] = round(ar.peak_memory_gb * 1e3, 1)
     rec["peak_mlx_lm_mb"] = round(_mlx_lm_peak(model, ids, n) / MB, 1)
     drafter, name = api.resolve_drafter("default", target)
     rec["drafter"], rec["drafter_mb"] = name, round(param_bytes(drafter) / MB, 1)
     rec["drafter_4bit_mb"] = round(param_bytes(_quantized_copy(drafter)) / MB, 1)
-    spec = Stats()
-    out_spec = sum(api.decode(api.Runner(target, drafter, name), ids, opts, stats=spec), [])
+    out_spec, spec = collect(api.decode(api.LoadedModel(target, drafter, name), ids, opts))
     rec["peak_speculative_mb"] = round(spec.peak_memory_gb * 1e3, 1)
     rec["same_tokens"] = out_ar == out_spec
     own = rec["peak_ar_mb"]
@@ -108,7 +106,7 @@ def measure(dtype: str, log: Callable[[str], None] = print) -> dict[str, Any]:
         rec[f"computed_overhead_4bit_drafter_pct_ctx{c}"] = round(
             100 * (rec["drafter_4bit_mb"] + rec["scratch_kv_mb"]) / base, 1)
     log(str(rec))
-    del target, model, drafter, runner
+    del target, model, drafter, lm
     return rec
 
 

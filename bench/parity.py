@@ -46,7 +46,8 @@ def max_abs(a: Any, b: Any) -> float:
 
 def rnn_allocator(model: Any, drafter: Any, width: int) -> Any:
     """Plain ReDrafter's draft sources: the recurrent drafter's W beams, nothing else, fixed width."""
-    from mlx_redrafter.sources import Allocator, RnnSource, Slot
+    from mlx_redrafter.draft.base import Allocator, Slot
+    from mlx_redrafter.draft.redrafter import RnnSource
 
     return Allocator([Slot(RnnSource(drafter, model.embed), width)])
 
@@ -85,8 +86,8 @@ def drafter_tree_parity(mlx_model: Any, hf: Any, drafter: Any, t_drafter: Any, i
     from bench.torch_ref import drafter as tdraft
     from bench.torch_ref import target as ttarget
     from bench.torch_ref import tree as ttree
+    from mlx_redrafter.draft.base import DecodeState
     from mlx_redrafter.draft.beam_search import beam_search
-    from mlx_redrafter.sources import DecodeState
     from mlx_redrafter.step import prefill, speculative_step
     from mlx_redrafter.tree import pack, verify_mask
 
@@ -162,18 +163,17 @@ def e2e_parity(mlx_model: Any, hf: Any, drafter: Any, t_drafter: Any, ids: list[
                max_tokens: int, width: int, length: int, device: str) -> dict[str, Any]:
     """Greedy token ids: MLX ReDrafter / MLX AR (the library's loops) / PyTorch AR / PyTorch ReDrafter."""
     from bench.torch_ref.decode import greedy_ar, greedy_redrafter
-    from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
+    from mlx_redrafter.generate import collect, generate_ar, generate_speculative
 
     runs: dict[str, list[int]] = {}
     times: dict[str, float] = {}
-    stats = Stats()
     t = time.perf_counter()
-    runs["mlx_ar"] = sum(generate_ar(mlx_model, ids, max_tokens=max_tokens, eos_ids=eos), [])
+    runs["mlx_ar"] = collect(generate_ar(mlx_model, ids, max_tokens=max_tokens, eos_ids=eos))[0]
     times["mlx_ar"] = time.perf_counter() - t
     t = time.perf_counter()
-    runs["mlx_redrafter"] = sum(generate_speculative(mlx_model, ids, rnn_allocator(mlx_model, drafter, width),
-                                                     length=length, max_tokens=max_tokens, eos_ids=eos,
-                                                     stats=stats), [])
+    runs["mlx_redrafter"], stats = collect(generate_speculative(mlx_model, ids, rnn_allocator(mlx_model, drafter,
+                                                                                             width),
+                                                                length=length, max_tokens=max_tokens, eos_ids=eos))
     times["mlx_redrafter"] = time.perf_counter() - t
     t = time.perf_counter()
     runs["torch_ar"] = greedy_ar(hf, ids, max_tokens, eos, device=device)

@@ -67,11 +67,11 @@ def samplings(temperatures: list[float], accepts: tuple[str, ...] | list[str] = 
             for t in temperatures for a in (accepts if t > 0 else ["exact"])]
 
 
-def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
+def configs_for(spec: BenchSpec, lm: Any) -> list[Any]:
     """AR, mlx-lm (optional) and every cell, per temperature."""
     from mlx_redrafter import sweep
 
-    drafts = sweep.parse_drafts(spec.drafts, runner.drafter is not None)
+    drafts = sweep.parse_drafts(spec.drafts, lm.drafter is not None)
     configs = []
     for s in samplings(spec.temperatures, spec.accepts):
         names = {c.name for c in configs}  # AR at T runs once, whatever the rules compared at T
@@ -83,7 +83,7 @@ def configs_for(spec: BenchSpec, runner: Any) -> list[Any]:
     if spec.mlx_lm:
         from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs
 
-        decoder = MlxLmDecoder(runner.target.model, runner.tokenizer.eos_ids)
+        decoder = MlxLmDecoder(lm.target.model, lm.tokenizer.eos_ids)
         ars = [c for c in configs if c.is_ar]
         k = configs.index(ars[0]) + 1
         configs[k:k] = mlx_lm_configs(decoder, ars)
@@ -105,10 +105,10 @@ def profile_cell(spec: BenchSpec, cell: dict[str, Any], options: Any, prompt: di
     split of a step, taken after the sweep (it runs a little slower than the sweep's rows)."""
     from mlx_redrafter import api, sweep
 
-    runner = api.load(spec.model, spec.drafter, cell["dtype"])
-    ids = api.encode_prompt(runner, prompt["prompt"])
-    sweep.decode(runner, ids, replace(options, max_tokens=min(spec.warmup_tokens, spec.max_tokens)), profile=True)
-    _, st = sweep.decode(runner, ids, options, profile=True)
+    lm = api.load(spec.model, spec.drafter, cell["dtype"])
+    ids = api.encode_prompt(lm, prompt["prompt"])
+    sweep.decode(lm, ids, replace(options, max_tokens=min(spec.warmup_tokens, spec.max_tokens)), profile=True)
+    _, st = sweep.decode(lm, ids, options, profile=True)
     steps = max(st.steps, 1)
     return {"config": cell["config"], "dtype": cell["dtype"], "prompt_id": sweep.prompt_id(prompt, 0),
             "generated_tokens": st.generated_tokens, "steps": st.steps, "tokens_per_step": st.tokens_per_step,
@@ -135,18 +135,18 @@ def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = Tr
     rows: list[dict[str, Any]] = []
     states, names, options = [], {}, {}
     for dtype in spec.dtypes:
-        runner = api.load(spec.model, spec.drafter, dtype)
-        names = {"model": runner.target.name, "drafter": runner.drafter_name}
-        configs = configs_for(spec, runner)
+        lm = api.load(spec.model, spec.drafter, dtype)
+        names = {"model": lm.target.name, "drafter": lm.drafter_name}
+        configs = configs_for(spec, lm)
         options.update({c.name: c.options for c in configs})
         done = list(rows)
-        res = sweep.sweep(runner, prompts, configs, spec.repeats, spec.warmup_tokens,
+        res = sweep.sweep(lm, prompts, configs, spec.repeats, spec.warmup_tokens,
                           progress=sweep.print_progress if progress else None,
                           on_prompt=lambda new, done=done: report.write_csv(out / f"{stem}.csv", done + new,
                                                                            spec.device))
         rows += res.rows
-        states.append({"dtype": runner.target.dtype, **res.machine_state})
-        del runner
+        states.append({"dtype": lm.target.dtype, **res.machine_state})
+        del lm
     add_mlx_lm_speedups(rows)
     report.write_csv(out / f"{stem}.csv", rows, spec.device)
     summary = sweep.summarize(rows, extra_means=("speedup_vs_mlx_lm", "mlx_lm_decode_tokens_per_s"))

@@ -1,6 +1,6 @@
 """A chat conversation: messages, the KV cache that holds them, and what each new turn must prefill.
 
-    session = ChatSession(runner, DecodeOptions(max_tokens=256), system="Be brief.")
+    session = ChatSession(lm, decode_options(max_tokens=256), system="Be brief.")
     for piece in session.send("Hello!"): print(piece, end="")
     session.last.prefill_tokens          # only the new turn's tokens after the first turn
 
@@ -8,15 +8,15 @@ Each turn renders the whole conversation with the chat template. When the render
 cache already holds (the usual case), only the extension is encoded and prefilled; otherwise (a template
 that rewrites earlier turns, dropped turns) the longest common token prefix with the cache is kept and the
 rest re-prefilled. An answer stopped early (Ctrl-C, a `stop` callback) stays in the history exactly as far
-as it was shown, and the cache is trimmed to the tokens it really holds. When the conversation outgrows
+as it was shown. The cache always holds exactly `tokens` (the decoding loops leave it holding what they
+emitted, however they end). When the conversation outgrows
 the context, the oldest turns are dropped (`Turn.dropped_turns`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from mlx_redrafter import api
 from mlx_redrafter.errors import UserError
@@ -49,18 +49,6 @@ class Totals:
     dropped_turns: int = 0
 
 
-def drafting_fallback(runner: api.Runner, options: api.DecodeOptions) -> tuple[api.DecodeOptions, str | None]:
-    """Options that work without a drafter, and a one-line note saying which drafting is used instead."""
-    if runner.drafter is not None or "rnn" not in options.draft and options.draft != "auto":
-        return options, None
-    name = runner.target.name
-    if options.draft == "auto":
-        return options, f"no drafter for {name}: drafting by lookup (copying from the context) instead"
-    if "lookup" in options.draft:
-        return replace(options, draft="lookup"), f"no drafter for {name}: --draft {options.draft} drafts by lookup only"
-    return replace(options, draft="none"), f"no drafter for {name}: --draft rnn falls back to plain AR decoding"
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -70,15 +58,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ChatSession:
-    """A multi-turn conversation with KV-cache reuse over a loaded runner."""
+    """A multi-turn conversation with KV-cache reuse over a loaded model."""
 
-    def __init__(self, runner: api.Runner, options: api.DecodeOptions | None = None, system: str | None = None,
+    def __init__(self, lm: api.LoadedModel, options: api.DecodeOptions | None = None, system: str | None = None,
                  max_context: int | None = None):
-        self.runner = runner
+        self.lm = lm
         self.options = options or api.DecodeOptions()
         self.options.check()
+        self.mode = api.draft_mode(lm, self.options)  # a mode the loaded drafter cannot serve fails here
         self.system = system
-        ctx = runner.target.model.args.max_position_embeddings
+        ctx = lm.target.model.args.max_position_embeddings
         self.max_context = min(max_context, ctx) if max_context else ctx
         if self.max_context < 2 * MIN_ANSWER_ROOM:
             raise UserError(f"--max-context must be at least {2 * MIN_ANSWER_ROOM} tokens (got {self.max_context})")
@@ -90,14 +79,13 @@ class ChatSession:
         self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
         self.cache = None
         self.tokens: list[int] = []  # exactly the ids whose K/V the cache holds (cache.offset == len(tokens))
-        self.pending: list[int] = []  # decided ids not yet in the cache (e.g. an answer's last token)
-        self.text = ""  # the text that tokens + pending encode
+        self.text: str | None = ""  # the text that tokens encode (None: not known, re-encode the conversation)
         self.totals = Totals()
 
     @property
     def context_tokens(self) -> int:
-        """Tokens of the conversation so far (in the cache or about to be)."""
-        return len(self.tokens) + len(self.pending)
+        """Tokens of the conversation so far (all in the cache)."""
+        return len(self.tokens)
 
     def send(self, message: str, stop: Callable[[], bool] | None = None) -> Iterator[str]:
         """Ask `message`; yields the answer's text pieces as tokens are accepted. `stop()` (checked after each
@@ -112,38 +100,36 @@ class ChatSession:
             self.messages = saved  # a rejected message (too long) leaves no trace, dropped turns included
             raise
         stats, out, reason, new = Stats(), [], "interrupted", ids[len(self.tokens):]
-        gen, started = None, None
+        gen = None
         try:
             max_tokens = max(1, min(self.options.max_tokens, self.max_context - len(ids)))
             if self.cache is None:
-                self.cache = self.runner.target.model.make_cache(len(ids) + max_tokens + 64)
-            gen = api.stream_generate(self.runner, new, self.options, stats=stats, cache=self.cache,
-                                      history=self.tokens, max_tokens=max_tokens)
-            for piece, decided in gen:
-                started = started or time.perf_counter()
-                out.extend(decided)
-                if piece:
-                    yield piece
+                self.cache = self.lm.target.model.make_cache(len(ids) + max_tokens + 64)
+            gen = api.stream_generate(self.lm, new, self.options, cache=self.cache, history=self.tokens,
+                                      max_tokens=max_tokens)
+            for r in gen:
+                out.extend(r.tokens)
+                if r.record is not None:
+                    stats.add(r.record)
+                if r.text:
+                    yield r.text
                 if stop is not None and stop():
                     break
             else:
                 reason = stats.stop_reason or "max_tokens"
         finally:
             if gen is not None:
-                gen.close()
-            if started and not stats.decode_s:  # stopped early: the loop never booked its decode time
-                stats.decode_s = time.perf_counter() - started
+                gen.close()  # the cache now holds ids + out (see generate.py)
             self._commit(ids, len(new), out, stats, reason, dropped)
 
     def _plan(self) -> tuple[list[int], int]:
         """Token ids of the whole conversation, ready for the answer; trims the cache to the reusable prefix."""
-        tok, dropped = self.runner.tokenizer, 0
+        tok, dropped = self.lm.tokenizer, 0
         room = min(self.options.max_tokens, self.max_context // 2)
         while True:
             text = tok.chat_prompt(self.messages)
-            known = self.tokens + self.pending
-            if known and text.startswith(self.text):
-                ids = known + tok.encode(text[len(self.text):])  # only the new turn is encoded
+            if self.tokens and self.text is not None and text.startswith(self.text):
+                ids = self.tokens + tok.encode(text[len(self.text):])  # only the new turn is encoded
             else:
                 ids = tok.encode(text)
             if len(ids) + max(room, MIN_ANSWER_ROOM) <= self.max_context or not self._drop_oldest_turn():
@@ -156,7 +142,7 @@ class ChatSession:
         if keep < len(self.tokens):
             self.cache.offset = keep  # entries past the offset are scratch: overwritten by the next prefill
             self.tokens = self.tokens[:keep]
-        self.pending, self.text = [], text
+        self.text = text
         self.totals.dropped_turns += dropped
         return ids, dropped
 
@@ -170,20 +156,21 @@ class ChatSession:
         return True
 
     def _commit(self, ids: list[int], prefill: int, out: list[int], stats: Stats, reason: str, dropped: int) -> None:
-        tok = self.runner.tokenizer
+        tok = self.lm.tokenizer
         if reason == "interrupted":  # keep whole characters only: the history must match what was shown
             for _ in range(4):
                 if not out or not tok.decode(out).endswith("\ufffd"):
                     break
                 out.pop()
         known = ids + out
-        offset = min(self.cache.offset, len(known)) if self.cache is not None else 0
-        if self.cache is not None:
-            self.cache.offset = offset  # drop anything decided past the answer's end (after eos, past max_tokens)
-        self.tokens, self.pending = known[:offset], known[offset:]
+        if self.cache is not None:  # interrupted during the prefill: the cache holds the old tokens only
+            self.cache.offset = min(self.cache.offset, len(known))
+        self.tokens = known[: self.cache.offset] if self.cache is not None else []
         answer = tok.decode(out)
         self.messages.append({"role": "assistant", "content": answer})
-        self.text += answer
+        # Interrupted during the prefill, the cache holds less than the conversation: the next turn encodes the
+        # whole conversation and reuses the common prefix.
+        self.text = self.text + answer if len(self.tokens) == len(known) else None
         self.last = Turn(text=answer, tokens=out, stats=stats, prefill_tokens=prefill, prompt_tokens=len(ids),
                          stop=reason, dropped_turns=dropped)
         t = self.totals
@@ -195,18 +182,18 @@ class ChatSession:
         if self.last is None:
             return "no answer yet"
         t, s = self.last, self.last.stats
-        settings = api.settings(self.runner, self.options)
+        settings = api.settings(self.lm, self.options)
         srcs = ", ".join(f"{k} {v:.2f}" for k, v in sorted(s.source_tokens_per_step().items())) or "none"
         hist = " ".join(f"{k}x{v}" for k, v in sorted(s.accepted_hist.items())) or "-"
         mode = settings["draft"]
-        shape = (f"W={settings['beam_width']}, " if "rnn" in mode else "") + f"L={settings['beam_length']}"
+        shape = (f"W={settings['beam_width']}, " if settings["beam_width"] else "") + f"L={settings['beam_length']}"
         lines = [
             f"last answer: {len(t.tokens)} tokens, {s.decode_tokens_per_s:.1f} tok/s, {s.tokens_per_step:.2f} tokens "
             f"per target call ({s.steps} calls), stop: {t.stop}",
             f"prefill: {t.prefill_tokens} new tokens in {s.prefill_s:.2f} s; conversation {t.prompt_tokens} tokens "
             f"(context {self.max_context}){f'; dropped {t.dropped_turns} oldest turn(s)' if t.dropped_turns else ''}",
             f"drafting: {mode}" + (f" ({shape}); tokens per call by source: {srcs}; accepted drafts per call: {hist}"
-                                   if mode != "none" else " (plain autoregressive)"),
+                                   if self.mode.drafts else " (plain autoregressive)"),
             f"session: {self.totals.turns} answers, {self.totals.generated} tokens generated; prefilled "
             f"{self.totals.prefilled} tokens ({self.totals.without_reuse} without KV-cache reuse)",
         ]

@@ -1,29 +1,54 @@
-"""The generation loops: autoregressive and speculative. They only keep records; the steps are in step.py.
+"""The generation loops, autoregressive and speculative: they yield one record per target call (the steps are in
+step.py); callers fold the records into `Stats` (or collect the tokens with `collect`).
 
-Both yield lists of new token ids as they become final; eos ends the generation and is not emitted. Both can
-continue a conversation: pass the `cache` that holds the `history` tokens and only the new `prompt` tokens.
+The first record is the prefill's (its one token decided by the prompt); eos ends the generation and is not
+emitted. Both loops can continue a conversation: pass the `cache` that holds the `history` tokens and only the
+new `prompt` tokens.
+
+The cache after a generation, however it ended (eos, max tokens, the caller closing the generator, an
+exception): a cache the caller passed holds exactly history + prompt + every emitted token, and its offset says
+so (`_settle`); a generation interrupted during the prefill leaves it at the history.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from mlx_redrafter.accept import truncate_at_eos
 from mlx_redrafter.cache import KVCache
+from mlx_redrafter.draft.base import Allocator, DecodeState
+from mlx_redrafter.errors import UserError
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling
-from mlx_redrafter.sources import Allocator, DecodeState, longest
 from mlx_redrafter.step import ar_step, prefill, speculative_step
 
 
 @dataclass
+class Record:
+    """What one target call decided and what it cost."""
+
+    tokens: list[int]  # the tokens emitted: those decided, cut at eos and at the token limit
+    decided: int  # tokens the call decided (eos and anything past the limit included)
+    seconds: float  # wall time of the call and its bookkeeping (not the caller's time between records)
+    prefill: int = 0  # prompt tokens fed: the first record's; 0 for decode steps
+    accepted: int = 0  # drafts accepted (speculative)
+    verified: int = 0  # packed tokens the target verified
+    candidates: int = 0  # candidate slots proposed, before prefix sharing
+    runs: dict[str, int] = field(default_factory=dict)  # per source: the drafts its best candidate had accepted
+    proposed: dict[str, int] = field(default_factory=dict)  # per source: candidates proposed
+    phase_s: dict[str, float] = field(default_factory=dict)  # seconds per step phase (step.PHASES)
+    stop: str = ""  # eos | max_tokens on the record that ended the generation
+    peak_memory_gb: float = 0.0  # peak MLX memory since the generation began
+
+
+@dataclass
 class Stats:
-    """Per-generation counters; `steps` are target calls after prefill."""
+    """Counters over a generation's records (`add`); `steps` are target calls after the prefill."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -40,6 +65,29 @@ class Stats:
     peak_memory_gb: float = 0.0
     stop_reason: str = ""
     discarded_tokens: int = 0  # decided tokens dropped because they came after eos / max_tokens
+
+    def add(self, r: Record) -> None:
+        """Fold one record in."""
+        self.generated_tokens += len(r.tokens)
+        self.discarded_tokens += r.decided - len(r.tokens) - (r.stop == "eos")
+        self.stop_reason = r.stop or self.stop_reason
+        self.peak_memory_gb = max(self.peak_memory_gb, r.peak_memory_gb)
+        if r.prefill:
+            self.prompt_tokens += r.prefill
+            self.prefill_s += r.seconds
+            return
+        self.steps += 1
+        self.decode_s += r.seconds
+        self.verified_tokens += r.verified
+        self.candidate_tokens += r.candidates
+        if r.runs or r.verified:  # a speculative step
+            self.accepted_hist[r.accepted] += 1
+        self.source_runs.update(r.runs)
+        self.source_proposed.update(r.proposed)
+        best = max(r.runs.values(), default=0)
+        if best > 0:
+            self.source_wins[next(k for k, v in r.runs.items() if v == best)] += 1
+        self.phase_s.update(r.phase_s)
 
     @property
     def tokens_per_step(self) -> float:
@@ -76,112 +124,131 @@ class Stats:
         }
 
 
+def collect(records: Iterable[Record]) -> tuple[list[int], Stats]:
+    """Every emitted token of a generation and its statistics."""
+    tokens, stats = [], Stats()
+    for r in records:
+        tokens.extend(r.tokens)
+        stats.add(r)
+    return tokens, stats
+
+
 class Emitter:
-    """Applies eos and max-token limits to the tokens a step decides."""
+    """Applies eos and the token limit to the tokens a call decides; counts what was emitted."""
 
-    def __init__(self, stats: Stats, max_tokens: int, eos_ids: list[int]):
-        self.stats, self.max_tokens, self.eos_ids = stats, max_tokens, set(eos_ids)
-        self.done = max_tokens <= 0
+    def __init__(self, max_tokens: int, eos_ids: list[int]):
+        self.max_tokens, self.eos_ids = max_tokens, set(eos_ids)
+        self.emitted: list[int] = []
+        self.stop = "" if max_tokens > 0 else "max_tokens"
 
-    def __call__(self, tokens: list[int]) -> list[int]:
-        decided = len(tokens)
-        tokens, hit_eos = truncate_at_eos(tokens[: self.max_tokens - self.stats.generated_tokens], self.eos_ids)
-        self.stats.generated_tokens += len(tokens)
-        self.stats.discarded_tokens += decided - len(tokens) - hit_eos
+    @property
+    def done(self) -> bool:
+        return bool(self.stop)
+
+    def __call__(self, decided: list[int]) -> list[int]:
+        tokens, hit_eos = truncate_at_eos(decided[: self.max_tokens - len(self.emitted)], self.eos_ids)
+        self.emitted.extend(tokens)
         if hit_eos:
-            self.done, self.stats.stop_reason = True, "eos"
-        elif self.stats.generated_tokens >= self.max_tokens:
-            self.done, self.stats.stop_reason = True, "max_tokens"
+            self.stop = "eos"
+        elif len(self.emitted) >= self.max_tokens:
+            self.stop = "max_tokens"
         return tokens
 
 
-@dataclass
-class _Started:
-    """What both loops hold after the prefill: the cache, records, sampler state and the first token."""
+class _Run:
+    """One generation's cache, sampler and emitter, and the records' clock."""
 
-    cache: KVCache
-    stats: Stats
-    rng: Rng | None
-    emit: Emitter
-    g0: mx.array  # the first token, decided by the prefill
-    h: mx.array  # the target's last hidden state
-    first: int
+    def __init__(self, model: Model, prompt: list[int], cache: KVCache | None, history: list[int], extra: int,
+                 max_tokens: int, sampling: Sampling, eos_ids: list[int]):
+        if not prompt:
+            raise UserError("the prompt is empty: give at least one token")
+        self.model, self.prompt, self.own_cache = model, prompt, cache is None
+        self.cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + extra)
+        if self.cache.offset != len(history):
+            raise ValueError(f"the cache holds {self.cache.offset} tokens but the history has {len(history)}")
+        self.base = self.cache.offset
+        self.rng = None if sampling.greedy else Rng(sampling.seed)
+        self.emit = Emitter(max_tokens, list(eos_ids))
+        self.prefilled = False
+        mx.reset_peak_memory()
+        self.t = time.perf_counter()
 
+    def record(self, decided: list[int], **costs) -> Record:
+        """The record of a call that decided `decided` (timed since the previous record or `resume`)."""
+        now = time.perf_counter()
+        tokens = self.emit(decided)
+        r = Record(tokens=tokens, decided=len(decided), seconds=now - self.t, stop=self.emit.stop,
+                   peak_memory_gb=mx.get_peak_memory() / 1e9, **costs)
+        return r
 
-def _start(model: Model, prompt: list[int], cache: KVCache | None, extra: int, max_tokens: int,
-           stats: Stats | None, sampling: Sampling, eos_ids: list[int]) -> _Started:
-    """Size the cache (prompt + answer + `extra` scratch positions) and prefill the prompt."""
-    stats = stats if stats is not None else Stats()
-    stats.prompt_tokens = len(prompt)
-    if cache is None:
-        cache = model.make_cache(len(prompt) + max_tokens + extra)
-    mx.reset_peak_memory()
-    rng = None if sampling.greedy else Rng(sampling.seed)
-    t0 = time.perf_counter()
-    g0, h = prefill(model, cache, prompt, sampling, rng)
-    first = g0.item()
-    stats.prefill_s = time.perf_counter() - t0
-    return _Started(cache, stats, rng, Emitter(stats, max_tokens, list(eos_ids)), g0, h, first)
+    def resume(self) -> None:
+        """The caller handed control back: the next record's clock starts now."""
+        self.t = time.perf_counter()
+
+    def settle(self) -> None:
+        """Make the cache hold exactly history + prompt + emitted tokens (see the module docstring)."""
+        want = self.base + len(self.prompt) + len(self.emit.emitted)
+        if not self.prefilled:
+            self.cache.offset = self.base
+        elif self.cache.offset > want:
+            self.cache.offset = want  # entries past the offset are scratch
+        elif self.cache.offset == want - 1 and not self.own_cache:  # the last emitted token is not fed yet
+            self.model(mx.array([self.emit.emitted[-1:]]), self.cache)
+            self.cache.advance(1)
+            mx.eval(*self.cache.state())
 
 
 def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_ids: list[int] = (),
-                sampling: Sampling = GREEDY, stats: Stats | None = None, cache: KVCache | None = None,
-                ) -> Iterator[list[int]]:
+                sampling: Sampling = GREEDY, cache: KVCache | None = None, history: list[int] = (),
+                ) -> Iterator[Record]:
     """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does)."""
-    s = _start(model, prompt, cache, 1, max_tokens, stats, sampling, eos_ids)
-    cache, stats, rng, emit, g0 = s.cache, s.stats, s.rng, s.emit, s.g0
-    t_start = time.perf_counter()
-    out = emit([s.first])
-    if out:
-        yield out
-    queued = None
-    while not emit.done:
-        g0 = queued if queued is not None else ar_step(model, cache, g0, sampling, rng)
-        queued = ar_step(model, cache, g0, sampling, rng) if stats.generated_tokens + 1 < max_tokens else None
-        mx.async_eval(g0 if queued is None else queued)
-        stats.steps += 1
-        out = emit([g0.item()])
-        if out:
-            yield out
-    stats.decode_s = time.perf_counter() - t_start
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    run = _Run(model, prompt, cache, list(history), 1, max_tokens, sampling, eos_ids)
+    cache, rng = run.cache, run.rng
+    try:
+        g0, _ = prefill(model, cache, prompt, sampling, rng)
+        first = g0.item()
+        run.prefilled = True
+        yield run.record([first], prefill=len(prompt))
+        run.resume()
+        queued = None
+        while not run.emit.done:
+            g0 = queued if queued is not None else ar_step(model, cache, g0, sampling, rng)
+            more = len(run.emit.emitted) + 1 < max_tokens
+            queued = ar_step(model, cache, g0, sampling, rng) if more else None
+            mx.async_eval(g0 if queued is None else queued)
+            yield run.record([g0.item()], verified=1)
+            run.resume()
+    finally:
+        run.settle()
 
 
 def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, *, length: int,
                          max_tokens: int = 256, eos_ids: list[int] = (), sampling: Sampling = GREEDY,
-                         stats: Stats | None = None, cache: KVCache | None = None, history: list[int] = (),
-                         profile: bool = False) -> Iterator[list[int]]:
+                         cache: KVCache | None = None, history: list[int] = (),
+                         profile: bool = False) -> Iterator[Record]:
     """Speculative decoding with the allocator's draft sources; candidates are `length` tokens (g0 included; a
-    growing lookup copy may be longer)."""
-    budget = sum(s.width * longest(s, length) for s in allocator.slots)
-    s = _start(model, prompt, cache, budget, max_tokens, stats, sampling, eos_ids)
-    cache, stats, rng, emit, first = s.cache, s.stats, s.rng, s.emit, s.first
-    t_start = time.perf_counter()
-    state = DecodeState(tokens=[*history, *prompt, first], g0=s.g0.astype(mx.int32), h=s.h)
-    for src in allocator.sources:
-        src.start(state.tokens)
-    out = emit([first])
-    if out:
-        yield out
-    while not emit.done:
-        r = speculative_step(model, cache, state, allocator.plan(), length, sampling, rng, profile)
-        state.tokens.extend(r.tokens)
-        state.g0, state.h = r.g0, r.h
+    growing lookup copy may be longer). `profile=True` times every phase of a step honestly (`Record.phase_s`)."""
+    run = _Run(model, prompt, cache, list(history), allocator.candidate_budget(length), max_tokens, sampling,
+               eos_ids)
+    cache, rng = run.cache, run.rng
+    try:
+        g0, h = prefill(model, cache, prompt, sampling, rng)
+        first = g0.item()
+        run.prefilled = True
+        state = DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h)
         for src in allocator.sources:
-            src.extend(r.tokens)
-        allocator.update(r.runs)
-        stats.steps += 1
-        stats.verified_tokens += r.verified
-        stats.candidate_tokens += r.candidates
-        stats.accepted_hist[r.accepted] += 1
-        stats.source_runs.update(r.runs)
-        stats.source_proposed.update(r.proposed)
-        best = max(r.runs.values(), default=0)
-        if best > 0:
-            stats.source_wins[next(k for k, v in r.runs.items() if v == best)] += 1
-        stats.phase_s.update(r.seconds)
-        out = emit(r.tokens)
-        if out:
-            yield out
-    stats.decode_s = time.perf_counter() - t_start
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            src.start(state.tokens)
+        yield run.record([first], prefill=len(prompt))
+        run.resume()
+        while not run.emit.done:
+            r = speculative_step(model, cache, state, allocator.plan(), length, sampling, rng, profile)
+            state.tokens.extend(r.tokens)
+            state.g0, state.h = r.g0, r.h
+            for src in allocator.sources:
+                src.extend(r.tokens)
+            allocator.update(r.runs)
+            yield run.record(r.tokens, accepted=r.accepted, verified=r.verified, candidates=r.candidates,
+                             runs=r.runs, proposed=r.proposed, phase_s=r.seconds)
+            run.resume()
+    finally:
+        run.settle()

@@ -8,6 +8,7 @@ Temperature 0 means greedy (argmax).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,14 +34,21 @@ class Sampling:
     typical_delta: float = 0.3  # Medusa's posterior_alpha
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UserError(f"--temp must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
-        if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0 (0 = off; got {self.top_k})")
-        if not 0 <= self.min_p < 1:
-            raise UserError(f"--min-p must be in [0, 1) (got {self.min_p})")
+        def number(value: Any, flag: str, ok: Callable[[float], bool], rule: str) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not ok(value):
+                raise UserError(f"{flag} must be a finite number {rule} (got {value!r})")
+
+        number(self.temperature, "--temp", lambda v: v >= 0, ">= 0 (0 = greedy)")
+        number(self.top_p, "--top-p", lambda v: 0 < v <= 1, "in (0, 1]")
+        number(self.min_p, "--min-p", lambda v: 0 <= v < 1, "in [0, 1)")
+        number(self.typical_eps, "--typical-eps", lambda v: 0 <= v <= 1, "in [0, 1]")
+        number(self.typical_delta, "--typical-delta", lambda v: v >= 0, ">= 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UserError(f"--top-k must be an integer >= 0 (0 = off; got {self.top_k!r})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 1 << 63):
+            raise UserError(f"--seed must be an integer from 0 to 2**63 - 1 (got {self.seed!r})")
         if not callable(self.accept) and self.accept not in ("exact", "typical"):
             raise UserError(f"--accept must be 'exact' or 'typical' (got {self.accept!r})")
 

@@ -1,6 +1,6 @@
 """One decoding step, by phase: prefill, an autoregressive step, and the speculative step.
 
-    speculative_step:  draft (sources.py) -> pack (tree.py) -> verify (model.py) -> accept (accept.py)
+    speculative_step:  draft (draft/base.py) -> pack (tree.py) -> verify (model.py) -> accept (accept.py)
                        -> commit (cache.py)
 
 Every function works on one sequence and keeps MLX lazy: the speculative step syncs twice (after drafting, to
@@ -16,10 +16,10 @@ import mlx.core as mx
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.cache import KVCache
+from mlx_redrafter.draft.base import DecodeState, Slot, propose
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
-from mlx_redrafter.sources import DecodeState, Slot, propose
-from mlx_redrafter.tree import PAD, pack, verify_mask
+from mlx_redrafter.tree import pack, verify_mask
 
 PHASES = ("draft", "pack", "verify", "accept", "commit")
 
@@ -66,14 +66,8 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     stops: an honest split, at the price of a slower step.
     """
     clock = _Clock(profile)
-    proposals = propose(plan, state, length)  # draft
-    parts, names = [c for _, c in proposals], [(name, c.shape[0]) for name, c in proposals]
-    if not parts:  # nothing to propose: verify g0 alone (an autoregressive step)
-        parts = [mx.concatenate([state.g0.astype(mx.int32), mx.full((length - 1,), PAD, dtype=mx.int32)])[None]]
-    width = max(c.shape[1] for c in parts)  # a growing lookup copy may be longer than `length`
-    parts = [c if c.shape[1] == width else mx.pad(c, [(0, 0), (0, width - c.shape[1])], constant_values=PAD)
-             for c in parts]
-    cands = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    proposal = propose(plan, state, length)  # draft
+    cands = proposal.candidates
     clock.lap("draft", cands)
     tree = pack(cands)  # pack (syncs once: the packed size)
     clock.lap("pack", tree.mask, tree.parent, unprofiled="draft")
@@ -90,14 +84,9 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     cache.commit(acc.path, n + 1)  # commit (a copy only if the path is not in place; lazy)
     clock.lap("commit", *cache.state())
     tokens = drafted[1 : n + 1].tolist() + acc.next_token.tolist()
-    runs, proposed, row = {}, {}, 0
-    all_runs = acc.runs.tolist()
-    for name, k in names:
-        runs[name] = max(runs.get(name, 0), max(all_runs[row : row + k]))
-        proposed[name] = proposed.get(name, 0) + k
-        row += k
+    runs = proposal.by_source(acc.runs.tolist())
     return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
-                      candidates=n_real.item(), runs=runs, proposed=proposed,
+                      candidates=n_real.item(), runs=runs, proposed=proposal.proposed(),
                       seconds=clock.seconds)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
 
-from mlx_redrafter.api import DRAFT_MODES, HEAD_MODES, DecodeOptions, Runner, encode_prompt, settings
+from mlx_redrafter.api import DecodeOptions, LoadedModel, encode_prompt, settings
 from mlx_redrafter.api import decode as api_decode
 from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
@@ -30,8 +30,9 @@ from mlx_redrafter.defaults import (
     TUNE_MIN_TOKENS_PER_STEP,
     WARMUP_TOKENS,
 )
+from mlx_redrafter.draft.modes import MODES
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.generate import Stats
+from mlx_redrafter.generate import Stats, collect
 from mlx_redrafter.sampling import GREEDY, Sampling
 from mlx_redrafter.system.machine_state import MachineWatch, loadavg
 
@@ -51,16 +52,17 @@ class Config:
     @property
     def is_ar(self) -> bool:
         """Our own plain autoregressive decoding: the reference of the speedups."""
-        return self.decoder is None and self.options.draft == "none"
+        return self.decoder is None and not MODES[self.options.draft].drafts
 
 
 def config_name(draft: str, width: int = 0, length: int = 0, sampling: Sampling = GREEDY) -> str:
     """Stable name of a configuration, e.g. 'ar', 'rnn-w2-l3', 'lookup-w1-l4@t0.7', 'rnn-w1-l3@t0.7-typical'
     (AR samples the same way whatever the acceptance rule, so its name has no rule)."""
-    name = "ar" if draft == "none" else f"{draft}-w{width}-l{length}"
+    drafts = MODES[draft].drafts
+    name = f"{draft}-w{width}-l{length}" if drafts else "ar"
     if sampling.greedy:
         return name
-    rule = "-typical" if sampling.accept == "typical" and draft != "none" else ""
+    rule = "-typical" if sampling.accept == "typical" and drafts else ""
     return f"{name}@t{sampling.temperature:g}{rule}"
 
 
@@ -69,23 +71,26 @@ def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_t
                  answers_widths: tuple[int, ...] = (DEFAULT_ANSWERS_WIDTH,),
                  drafter_vocabs: tuple[int | None, ...] = (None,),
                  lookup_max_lengths: tuple[int, ...] = (DEFAULT_LOOKUP_MAX_LENGTH,)) -> list[Config]:
-    """AR plus every draft mode x width x length. The width is W for the modes with 'rnn' (whose lookup width
-    stays `lookup_width`) and 'semi_ar', the lookup width for 'lookup', and the number of nodes of Medusa's
-    tree (the first W nodes of mc_sim_7b_63) for 'medusa'. Modes with lookup run once per answer-table width
-    (names get '-aK' where K is not the default) and per longest lookup copy ('-mN' where N is not the default),
-    modes with rnn once per drafter vocabulary (None: the default; else names get '-vN')."""
+    """AR plus every draft mode x width x length. The width sets the option its mode's row names (`Mode.width`):
+    W of a drafter, the lookup width (the drafter's modes keep `lookup_width`), or the nodes of Medusa's tree
+    (the first W of mc_sim_7b_63). Modes with lookup run once per answer-table width (names get '-aK' where K
+    is not the default) and per longest lookup copy ('-mN' where N is not the default), modes with the
+    ReDrafter once per drafter vocabulary (None: the default; else names get '-vN')."""
     base = DecodeOptions(draft="none", max_tokens=max_tokens, sampling=sampling)
     configs = [Config(config_name("none", sampling=sampling), base)]
     for draft in drafts:
+        mode = MODES[draft]
+        copies = mode.uses("lookup")
         for w in widths:
             for length in lengths:
-                for a, m, v in product(answers_widths if "lookup" in draft else (DEFAULT_ANSWERS_WIDTH,),
-                                       lookup_max_lengths if "lookup" in draft else (DEFAULT_LOOKUP_MAX_LENGTH,),
-                                       drafter_vocabs if "rnn" in draft else (None,)):
-                    opts = replace(base, draft=draft, beam_width=w if "rnn" in draft or draft == "semi_ar" else 1,
-                                   beam_length=length, lookup_width=w if draft == "lookup" else lookup_width,
-                                   answers_width=a, drafter_vocab=v, lookup_max_length=m,
-                                   medusa_tree=f"mc_sim_7b_63:{w}" if draft == "medusa" else base.medusa_tree)
+                for a, m, v in product(answers_widths if copies else (DEFAULT_ANSWERS_WIDTH,),
+                                       lookup_max_lengths if copies else (DEFAULT_LOOKUP_MAX_LENGTH,),
+                                       drafter_vocabs if mode.uses("rnn") else (None,)):
+                    width = {"beam_width": {"beam_width": w, "lookup_width": lookup_width},
+                             "lookup_width": {"lookup_width": w}, "medusa_tree": {"medusa_tree": f"mc_sim_7b_63:{w}"},
+                             }[mode.width]
+                    opts = base.updated(draft=draft, beam_length=length, answers_width=a, drafter_vocab=v,
+                                        lookup_max_length=m, **width)
                     opts.check()
                     suffix = (f"-a{a}" if a != DEFAULT_ANSWERS_WIDTH else "") + (
                         f"-m{m}" if m != DEFAULT_LOOKUP_MAX_LENGTH else "") + (f"-v{v}" if v is not None else "")
@@ -93,11 +98,10 @@ def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_t
     return configs
 
 
-def decode(runner: Runner, ids: list[int], options: DecodeOptions, profile: bool = False) -> tuple[list[int], Stats]:
+def decode(lm: LoadedModel, ids: list[int], options: DecodeOptions, profile: bool = False) -> tuple[list[int], Stats]:
     """Token ids and statistics of one generation with our loops (no detokenization, nothing printed).
     `profile=True` evaluates every phase of a speculative step at its boundary (`Stats.phase_s`)."""
-    stats = Stats()
-    return [t for new in api_decode(runner, ids, options, stats=stats, profile=profile) for t in new], stats
+    return collect(api_decode(lm, ids, options, profile=profile))
 
 
 @dataclass
@@ -129,17 +133,18 @@ def parse_drafts(text: str | None, has_drafter: bool) -> list[str]:
     if text is None:
         return list(SWEEP_DRAFTS) if has_drafter else ["lookup"]
     drafts = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in drafts if d not in DRAFT_MODES + HEAD_MODES or d in ("auto", "none")]
+    drafting = [m.name for m in MODES.values() if m.drafts]
+    bad = [d for d in drafts if d not in drafting]
     if bad or not drafts:
-        raise UserError(f"--drafts takes a comma list of rnn, lookup, rnn+lookup, lookup-else-rnn, medusa, semi_ar "
-                        f"(got {text!r})")
-    if not has_drafter and any("rnn" in d for d in drafts):
-        raise UserError("--drafts rnn / rnn+lookup need a drafter, and there is none: pass --drafter DIR (or "
+        raise UserError(f"--drafts takes a comma list of {', '.join(drafting)} (got {text!r})")
+    needy = [d for d in drafts if MODES[d].drafter is not None]
+    if not has_drafter and needy:
+        raise UserError(f"--drafts {', '.join(needy)} need a drafter, and there is none: pass --drafter DIR (or "
                         "random:0 for a smoke run), or --drafts lookup")
     return list(dict.fromkeys(drafts))
 
 
-def sweep(runner: Runner, prompts: list[dict], configs: list[Config], repeats: int = 1,
+def sweep(lm: LoadedModel, prompts: list[dict], configs: list[Config], repeats: int = 1,
           warmup_tokens: int = WARMUP_TOKENS, progress: Progress | None = None,
           on_prompt: Callable[[list[dict[str, Any]]], None] | None = None, watch_interval: float = 1.0,
           warn: bool = True) -> SweepResult:
@@ -155,16 +160,16 @@ def sweep(runner: Runner, prompts: list[dict], configs: list[Config], repeats: i
     if not prompts or not configs:
         raise UserError("nothing to measure: no prompts or no configurations")
     ar_of = _ar_names(configs)
-    config_settings = {c.name: {**settings(runner, c.options), "config": c.name, "decoder": c.decoder_name}
-                       for c in configs}  # also checks every draft mode against the runner
-    encoded = [encode_prompt(runner, p["prompt"]) for p in prompts]
+    config_settings = {c.name: {**settings(lm, c.options), "config": c.name, "decoder": c.decoder_name}
+                       for c in configs}  # also checks every draft mode against the lm
+    encoded = [encode_prompt(lm, p["prompt"]) for p in prompts]
     total, done = len(configs) * (1 + repeats * len(prompts)), 0
     watch = MachineWatch(watch_interval)
     watch.start()
     for c in configs:  # warm-up: every code path and shape once, not recorded
         if progress:
             progress(f"warm-up {c.name}", done, total)
-        _run(runner, c, encoded[0], min(warmup_tokens, c.options.max_tokens))
+        _run(lm, c, encoded[0], min(warmup_tokens, c.options.max_tokens))
         done += 1
     rows: list[dict[str, Any]] = []
     for i, (p, ids) in enumerate(zip(prompts, encoded)):
@@ -175,7 +180,7 @@ def sweep(runner: Runner, prompts: list[dict], configs: list[Config], repeats: i
             for c in configs[k:] + configs[:k]:
                 if progress:
                     progress(f"prompt {i + 1}/{len(prompts)} {c.name}", done, total)
-                runs[c.name].append(_run(runner, c, ids, c.options.max_tokens))
+                runs[c.name].append(_run(lm, c, ids, c.options.max_tokens))
                 done += 1
         load_after = (loadavg() or [float("nan")])[0]
         common = {"prompt_id": prompt_id(p, i), "category": str(p.get("category", "")),
@@ -206,9 +211,9 @@ def _ar_names(configs: list[Config]) -> dict[str, str]:
             for c in configs}
 
 
-def _run(runner: Runner, c: Config, ids: list[int], max_tokens: int) -> tuple[list[int], Stats]:
+def _run(lm: LoadedModel, c: Config, ids: list[int], max_tokens: int) -> tuple[list[int], Stats]:
     opts = replace(c.options, max_tokens=max_tokens)
-    return c.decoder(ids, opts) if c.decoder is not None else decode(runner, ids, opts)
+    return c.decoder(ids, opts) if c.decoder is not None else decode(lm, ids, opts)
 
 
 def common_prefix_fraction(ref: list[int], other: list[int]) -> float:

@@ -1,8 +1,9 @@
 """Tuned decoding settings per machine + model + drafter: where they live and how generate/chat resolve them.
 
 `redrafter-mlx tune` measures a small grid against AR and stores the winner here; when nothing beats AR it
-stores that too, and decoding then runs plain AR. Resolution order: explicit flags > tuned entry > built-in
-defaults (defaults.py). File: $REDRAFTER_TUNED_FILE, else $XDG_CACHE_HOME/redrafter-mlx/tuned.json.
+stores that too, and decoding then runs plain AR. Resolution, field by field: an explicit flag > the tuned
+entry's value > the built-in default (defaults.py); a drafting flag given where the tuned entry says plain AR
+drafts anyway (`auto`). File: $REDRAFTER_TUNED_FILE, else $XDG_CACHE_HOME/redrafter-mlx/tuned.json.
 """
 
 from __future__ import annotations
@@ -11,21 +12,24 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.api import DRAFT_MODES, HEAD_MODES, DecodeOptions, parse_drafter_spec, shipped_drafter_path
+from mlx_redrafter.api import parse_drafter_spec
+from mlx_redrafter.draft.modes import CHOICES
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json, write_atomic
 from mlx_redrafter.models.loader import DTYPE_CHOICES
+from mlx_redrafter.options import DecodeOptions
 from mlx_redrafter.schema import Field, check_fields
+from mlx_redrafter.shipped import shipped_drafter_path
 
 FORMAT_VERSION = 2
 # The entry keys decoding reads, with their types (ranges are checked with the options: DecodeOptions.check).
 ENTRY_FIELDS = (
-    Field("draft", str, choices=DRAFT_MODES + HEAD_MODES),
+    Field("draft", str, choices=CHOICES),
     Field("beam_width", int, 1, 1 << 16),
     Field("beam_length", int, 1, 1 << 16),
     Field("lookup_width", int, 1, 1 << 16),
@@ -139,26 +143,38 @@ def store(model: str | None, drafter: str | None, entry: dict[str, Any]) -> Path
 
 @dataclass
 class Resolved:
-    """Decoding options and dtype, and where they came from ('flags', 'tuned' or 'default')."""
+    """Decoding options and dtype, where each given or tuned option came from ('flag' or 'tuned'; the rest are
+    defaults), and notes worth a line to the user."""
 
     options: DecodeOptions
     dtype: str
-    source: str
+    origin: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def source(self) -> str:
+        """'tuned' when a tuned value is in use, else 'flags' when any option was given, else 'default'."""
+        values = set(self.origin.values())
+        return "tuned" if "tuned" in values else "flags" if values else "default"
 
 
 TUNED_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width")
+DRAFTING_FLAGS = ("beam_width", "beam_length", "lookup_width", "medusa_tree", "drafter_vocab")
 
 
-def resolve(model: str | None, drafter: str | None, flags: dict[str, Any], dtype: str,
-            base: DecodeOptions | None = None) -> Resolved:
-    """Explicit flags (non-None values in `flags`) > tuned entry for this machine/model/drafter > defaults."""
-    base = base or DecodeOptions()
+def resolve(model: str | None, drafter: str | None, flags: dict[str, Any], dtype: str) -> Resolved:
+    """Options from flags (by flat name; None = not given) over the tuned entry for this machine, model and
+    drafter, over the defaults, field by field; checked."""
     given = {k: v for k, v in flags.items() if v is not None}
-    if any(k in given for k in TUNED_FIELDS):
-        return Resolved(replace(base, **given), dtype, "flags")
-    entry = lookup(model, drafter)
-    if entry is None:
-        return Resolved(replace(base, **given), dtype, "default")
-    tuned = {k: entry[k] for k in TUNED_FIELDS if k in entry}
+    entry = lookup(model, drafter) or {}
+    tuned = {k: entry[k] for k in TUNED_FIELDS if k in entry and k not in given}
+    notes = []
+    if tuned.get("draft") == "none" and any(k in given for k in DRAFTING_FLAGS):
+        del tuned["draft"]
+        notes.append("the tuned settings say plain decoding is fastest here, but a drafting option was given: "
+                     "drafting with --draft auto")
+    options = DecodeOptions().updated(**tuned, **given)
+    options.check()
     use_dtype = entry.get("dtype") or dtype if dtype == "auto" else dtype
-    return Resolved(replace(base, **tuned, **given), use_dtype, "tuned")
+    origin = {**{k: "tuned" for k in tuned}, **{k: "flag" for k in given}}
+    return Resolved(options, use_dtype, origin, notes)

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from mlx_redrafter.agreement import FP32_TIE, compare
-from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
-from mlx_redrafter.sources import Allocator
+from mlx_redrafter.draft.base import Allocator
+from mlx_redrafter.generate import Stats, collect, generate_ar, generate_speculative
 
 TIE = FP32_TIE  # DESIGN §4: a fp32 divergence is tolerated only on a numerical tie of the AR path (1e-4)
 
 
 def ar_tokens(model, prompt: list[int], max_tokens: int, eos_ids: list[int]) -> list[int]:
-    return sum(generate_ar(model, prompt, max_tokens=max_tokens, eos_ids=eos_ids), [])
+    return collect(generate_ar(model, prompt, max_tokens=max_tokens, eos_ids=eos_ids))[0]
 
 
 def speculative_tokens(model, prompt: list[int], allocator: Allocator, length: int, max_tokens: int,
-                       eos_ids: list[int], stats: Stats | None = None) -> list[int]:
-    return sum(generate_speculative(model, prompt, allocator, length=length, max_tokens=max_tokens, eos_ids=eos_ids,
-                                    stats=stats), [])
+                       eos_ids: list[int]) -> tuple[list[int], Stats]:
+    return collect(generate_speculative(model, prompt, allocator, length=length, max_tokens=max_tokens,
+                                        eos_ids=eos_ids))
 
 
 def divergence(model, prompt: list[int], ar: list[int], got: list[int]) -> str | None:

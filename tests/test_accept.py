@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.accept import accept_exact, accept_greedy, accept_typical, truncate_at_eos
-from mlx_redrafter.generate import Emitter, Stats
+from mlx_redrafter.generate import Emitter
 from mlx_redrafter.sampling import Sampling
 from mlx_redrafter.tree import PAD, pack
 
@@ -84,16 +84,14 @@ def test_typical_acceptance_takes_the_longest_plausible_prefix():
 
 def test_eos_inside_accepted_run_stops_emission():
     assert truncate_at_eos([4, 5, 2, 6, 7], {2}) == ([4, 5], True)
-    stats = Stats()
-    emit = Emitter(stats, max_tokens=100, eos_ids=[2])
+    emit = Emitter(max_tokens=100, eos_ids=[2])
     assert emit([10]) == [10]
     assert emit([11, 2, 12, 13]) == [11]  # accepted run continues past eos: cut there
-    assert emit.done and stats.stop_reason == "eos" and stats.generated_tokens == 2
+    assert emit.done and emit.stop == "eos" and emit.emitted == [10, 11]
 
 
 def test_max_tokens_cuts_an_accepted_run():
-    stats = Stats()
-    emit = Emitter(stats, max_tokens=3, eos_ids=[2])
+    emit = Emitter(max_tokens=3, eos_ids=[2])
     assert emit([1]) == [1]
     assert emit([3, 4, 5, 6]) == [3, 4]
-    assert emit.done and stats.stop_reason == "max_tokens"
+    assert emit.done and emit.stop == "max_tokens"

@@ -197,7 +197,7 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(target, ids, needle):
     """MLX's embedding gather does not check bounds (an id past it read out of bounds)."""
     from mlx_redrafter import api
 
-    runner = api.Runner(target, None, "none")
+    lm = api.LoadedModel(target, None, "none")
     with pytest.raises(UserError, match=needle):
-        api.generate(runner, ids, max_tokens=2)
-    assert api.generate(runner, [1, 2, V - 1], max_tokens=2).tokens  # the edge of the vocabulary is fine
+        api.generate(lm, ids, max_tokens=2)
+    assert api.generate(lm, [1, 2, V - 1], max_tokens=2).tokens  # the edge of the vocabulary is fine

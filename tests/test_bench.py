@@ -71,12 +71,12 @@ def test_tiny_sweep_writes_everything(tmp_path):
 def test_temperature_axis_compares_acceptance_rules(target):
     """At T > 0 every cell runs once per acceptance rule, against one AR at that temperature."""
     from bench.run import configs_for
-    from mlx_redrafter.api import Runner
+    from mlx_redrafter.api import LoadedModel
     from mlx_redrafter.sweep import _ar_names
 
     spec = BenchSpec(device="unit-test", drafts="lookup", temperatures=[0.0, 0.7], accepts=["exact", "typical"],
                      widths=[1], lengths=[3], mlx_lm=False)
-    configs = configs_for(spec, Runner(target, None, "none"))
+    configs = configs_for(spec, LoadedModel(target, None, "none"))
     assert [c.name for c in configs] == ["ar", "lookup-w1-l3", "ar@t0.7", "lookup-w1-l3@t0.7",
                                          "lookup-w1-l3@t0.7-typical"]
     assert [c.options.sampling.accept for c in configs] == ["exact"] * 4 + ["typical"]

@@ -3,26 +3,26 @@
 import mlx.core as mx
 
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.draft.redrafter import random_drafter
-from mlx_redrafter.generate import Stats, generate_ar, generate_speculative
-from mlx_redrafter.sources import Allocator, RnnSource, Slot
+from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.redrafter import RnnSource, random_drafter
+from mlx_redrafter.generate import collect, generate_ar, generate_speculative
 
 
 def test_committed_cache_equals_ar_cache(target, chat_ids):
     model, prompt = target.model, chat_ids[2]
     drafter = random_drafter(576, 49152, seed=1)
-    rd_cache, rd_stats = model.make_cache(512), Stats()
+    rd_cache = model.make_cache(512)
     alloc = Allocator([Slot(RnnSource(drafter, model.embed), 3)])
-    rd = sum(generate_speculative(model, prompt, alloc, length=4, max_tokens=20, stats=rd_stats, cache=rd_cache), [])
+    rd, rd_stats = collect(generate_speculative(model, prompt, alloc, length=4, max_tokens=20, cache=rd_cache))
     ar_cache = model.make_cache(512)
-    ar = sum(generate_ar(model, prompt, max_tokens=20, cache=ar_cache), [])
+    ar, _ = collect(generate_ar(model, prompt, max_tokens=20, cache=ar_cache))
     assert rd == ar and rd_stats.steps > 0
-    # AR has fed every token but the last; ReDrafter has committed every token but its next g0.
-    assert rd_cache.offset == ar_cache.offset == len(prompt) + 19
+    # Both caches hold the prompt and every emitted token (the last one fed when the generation ended).
+    assert rd_cache.offset == ar_cache.offset == len(prompt) + 20
     # fp32 noise floor: the same cache computed a third correct way (one prefill of prompt + tokens) differs
     # from the AR cache by ~1e-5 (K/V reach |20|; matrix-vector vs matrix-matrix summation order). The
     # ReDrafter cache must be within 1e-5 or within twice that floor; a wrong commit is off by O(1).
-    seq = prompt + ar[:-1]
+    seq = prompt + ar
     prefill_cache = model.make_cache(512)
     model(mx.array([seq]), prefill_cache)
     prefill_cache.advance(len(seq))

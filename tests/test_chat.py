@@ -13,16 +13,16 @@ import pexpect
 import pytest
 
 from mlx_redrafter import api
-from mlx_redrafter.chat import ChatSession, drafting_fallback
+from mlx_redrafter.chat import ChatSession
 from mlx_redrafter.errors import UserError
 
 CLI = str(Path(sys.executable).parent / "redrafter-mlx")
 
 
 @pytest.fixture(scope="module")
-def runner(target):
+def lm(target):
     drafter, name = api.resolve_drafter("default", target)
-    return api.Runner(target=target, drafter=drafter, drafter_name=name)
+    return api.LoadedModel(target=target, drafter=drafter, drafter_name=name)
 
 
 def new_turn_ids(tok, question: str) -> list[int]:
@@ -114,20 +114,20 @@ def test_ctrl_c_at_the_prompt_quits(tmp_path):
     assert child.exitstatus == 0 and "Traceback" not in child.before
 
 
-def test_second_turn_reuses_the_cache_and_answers_as_a_fresh_prompt(runner):
-    options = api.DecodeOptions(max_tokens=16)
-    session = ChatSession(runner, options)
+def test_second_turn_reuses_the_cache_and_answers_as_a_fresh_prompt(lm):
+    options = api.decode_options(max_tokens=16)
+    session = ChatSession(lm, options)
     a1 = "".join(session.send("Name a color."))
     a2 = "".join(session.send("Name another one."))
-    assert session.last.prefill_tokens <= len(new_turn_ids(runner.tokenizer, "Name another one.")) + 1
+    assert session.last.prefill_tokens <= len(new_turn_ids(lm.tokenizer, "Name another one.")) + 1
     msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": a1},
             {"role": "user", "content": "Name another one."}]
-    fresh = api.generate(runner, runner.tokenizer.encode_chat(msgs), options)
+    fresh = api.generate(lm, lm.tokenizer.encode_chat(msgs), options)
     assert fresh.text == a2  # KV-cache reuse changes nothing in what is generated
 
 
 def committed_matches_fresh_prefill(session) -> bool:
-    model = session.runner.target.model
+    model = session.lm.target.model
     cache = model.make_cache(len(session.tokens) + 8)
     model(mx.array([session.tokens]), cache)
     cache.advance(len(session.tokens))
@@ -136,8 +136,8 @@ def committed_matches_fresh_prefill(session) -> bool:
                for i in (0, model.args.num_hidden_layers - 1))
 
 
-def test_stopped_answer_stays_consistent(runner):
-    session = ChatSession(runner, api.DecodeOptions(max_tokens=64))
+def test_stopped_answer_stays_consistent(lm):
+    session = ChatSession(lm, api.decode_options(max_tokens=64))
     pieces = []
     for piece in session.send("Tell me a long story about a cat.", stop=lambda: len(pieces) >= 3):
         pieces.append(piece)
@@ -149,8 +149,8 @@ def test_stopped_answer_stays_consistent(runner):
     assert committed_matches_fresh_prefill(session)
 
 
-def test_context_overflow_drops_the_oldest_turns(runner):
-    session = ChatSession(runner, api.DecodeOptions(max_tokens=16, draft="lookup"), system="Be brief.",
+def test_context_overflow_drops_the_oldest_turns(lm):
+    session = ChatSession(lm, api.decode_options(max_tokens=16, draft="lookup"), system="Be brief.",
                           max_context=80)
     dropped = 0
     for q in ["What is the capital of France?", "And of Spain?", "And of Portugal?", "And of Greece?"]:
@@ -166,13 +166,10 @@ def test_context_overflow_drops_the_oldest_turns(runner):
     assert session.messages == before  # the rejected message left no trace
 
 
-def test_a_model_without_drafter_says_which_drafting_it_uses(target):
-    bare = api.Runner(target=target, drafter=None, drafter_name="none")
-    opts, note = drafting_fallback(bare, api.DecodeOptions(draft="auto"))
-    assert opts.draft == "auto" and "lookup" in note
-    opts, note = drafting_fallback(bare, api.DecodeOptions(draft="rnn"))
-    assert opts.draft == "none" and "AR" in note
-    opts, note = drafting_fallback(bare, api.DecodeOptions(draft="lookup-else-rnn"))
-    assert opts.draft == "lookup" and "lookup only" in note
-    assert drafting_fallback(bare, api.DecodeOptions(draft="lookup"))[1] is None
-    assert re.search("lookup", api.settings(bare, api.DecodeOptions())["draft"])
+def test_without_a_drafter_auto_drafts_by_lookup_and_a_drafter_mode_is_an_error(target):
+    """One rule for a missing drafter, the same as `generate`'s: auto uses lookup; a mode naming a drafter fails."""
+    bare = api.LoadedModel(target=target, drafter=None, drafter_name="none")
+    assert ChatSession(bare, api.decode_options(draft="auto")).mode.name == "lookup"
+    for mode in ("rnn", "rnn+lookup", "lookup-else-rnn", "medusa", "semi_ar"):
+        with pytest.raises(UserError, match=f"--draft {re.escape(mode)} needs a .* drafter, but none is loaded"):
+            ChatSession(bare, api.decode_options(draft=mode))

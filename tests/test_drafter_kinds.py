@@ -12,15 +12,14 @@ from typer.testing import CliRunner
 
 from mlx_redrafter import api
 from mlx_redrafter.cmd.main import app
+from mlx_redrafter.draft.base import Allocator, DecodeState, Slot
 from mlx_redrafter.draft.kinds import draft_kind, load_any_drafter
 from mlx_redrafter.draft.medusa import MedusaArgs, MedusaHeads, MedusaSource, random_medusa
 from mlx_redrafter.draft.medusa_trees import CPU_TREE, MC_SIM_7B_63, check_tree, parse_tree
 from mlx_redrafter.draft.redrafter import save_drafter
 from mlx_redrafter.draft.semi_ar import SemiARSource, random_semi_ar
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.generate import Stats
 from mlx_redrafter.sampling import Sampling
-from mlx_redrafter.sources import Allocator, DecodeState, Slot
 from mlx_redrafter.tree import pack
 
 H, V = 576, 49152
@@ -151,9 +150,8 @@ def test_greedy_equals_autoregressive(target, prompts, ar_outputs, case):
     for p, ar in zip(prompts, ar_outputs):
         source, width = make(target)
         width = width or source.num_paths(length)
-        stats = Stats()
-        got = speculative_tokens(target.model, p, Allocator([Slot(source, width)]), length, MAX_TOKENS,
-                                 target.tokenizer.eos_ids, stats)
+        got, stats = speculative_tokens(target.model, p, Allocator([Slot(source, width)]), length, MAX_TOKENS,
+                                        target.tokenizer.eos_ids)
         problem = divergence(target.model, p, ar, got)
         assert problem is None, problem
         assert stats.steps <= stats.verified_tokens <= stats.candidate_tokens
@@ -186,30 +184,30 @@ def test_checkpoints_round_trip_and_name_their_kind(checkpoints):
 def test_draft_modes_through_the_api(target, checkpoints, prompts, ar_outputs):
     for mode, path in checkpoints.items():
         drafter, name = api.resolve_drafter(str(path), target)
-        runner = api.Runner(target=target, drafter=drafter, drafter_name=name)
-        res = api.generate(runner, prompts[0], api.DecodeOptions(draft=mode, beam_length=4, max_tokens=MAX_TOKENS))
+        lm = api.LoadedModel(target=target, drafter=drafter, drafter_name=name)
+        res = api.generate(lm, prompts[0], api.decode_options(draft=mode, beam_length=4, max_tokens=MAX_TOKENS))
         assert res.tokens == ar_outputs[0]
         assert res.settings["draft"] == mode and res.settings["drafter"] == str(path)
-        assert api.draft_mode(runner, api.DecodeOptions()) == mode  # auto picks the drafter's own kind
-        rnn = rf"--draft rnn\+lookup needs a ReDrafter \(rnn\) drafter.*use --draft {mode}"
+        assert api.draft_mode(lm, api.decode_options()).name == mode  # auto picks the drafter's own kind
+        rnn = r"--draft rnn\+lookup needs a ReDrafter \(rnn\) drafter.*use --draft auto"
         with pytest.raises(UserError, match=rnn):
-            api.make_allocator(runner, api.DecodeOptions(draft="rnn+lookup"))
+            api.make_allocator(lm, api.decode_options(draft="rnn+lookup"))
         other = "semi_ar" if mode == "medusa" else "medusa"
         with pytest.raises(UserError, match=f"--draft {other} needs a .* drafter, but {path} is a"):
-            api.make_allocator(runner, api.DecodeOptions(draft=other))
-    no_drafter = api.Runner(target=target, drafter=None, drafter_name="none")
-    with pytest.raises(UserError, match="needs a Medusa drafter, but .* has none: pass --drafter DIR"):
-        api.make_allocator(no_drafter, api.DecodeOptions(draft="medusa"))
+            api.make_allocator(lm, api.decode_options(draft=other))
+    no_drafter = api.LoadedModel(target=target, drafter=None, drafter_name="none")
+    with pytest.raises(UserError, match="needs a Medusa drafter, but none is loaded .*: pass --drafter DIR"):
+        api.make_allocator(no_drafter, api.decode_options(draft="medusa"))
     with pytest.raises(UserError, match="unknown Medusa tree"):
-        api.DecodeOptions(draft="medusa", medusa_tree="big").check()
+        api.decode_options(draft="medusa", medusa_tree="big")
 
 
 @pytest.mark.parametrize("accept", ["typical", "exact"])
 def test_medusa_samples_at_temperature(target, checkpoints, prompts, accept):
     drafter = load_any_drafter(checkpoints["medusa"])
-    runner = api.Runner(target=target, drafter=drafter, drafter_name="medusa")
+    lm = api.LoadedModel(target=target, drafter=drafter, drafter_name="medusa")
     s = Sampling(temperature=0.8, seed=0, accept=accept)
-    res = api.generate(runner, prompts[1], api.DecodeOptions(draft="medusa", beam_length=4, max_tokens=16,
+    res = api.generate(lm, prompts[1], api.decode_options(draft="medusa", beam_length=4, max_tokens=16,
                                                              sampling=s))
     assert 0 < len(res.tokens) <= 16 and res.stats.steps > 0 and res.settings["accept"] == accept
 

@@ -21,7 +21,7 @@ import pytest
 from mlx_redrafter import api
 from mlx_redrafter.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, load_first_layers, tie_bound
 from mlx_redrafter.draft.redrafter import random_drafter
-from mlx_redrafter.generate import Stats
+from mlx_redrafter.generate import Stats, collect
 
 LAYERS = {"float16": 4, "bfloat16": 4, "quantized": 1}
 CHAT_PROMPT = "Name three colors, one per line."
@@ -67,15 +67,14 @@ def setup(setups: dict, dtype: str) -> dict:
     return setups[dtype]
 
 
-def decode(s: dict, options: api.DecodeOptions, drafter: str | None = None,
-           stats: Stats | None = None) -> list[int]:
-    runner = api.Runner(s["target"], s["drafters"][drafter] if drafter else None, drafter or "none")
-    return sum(api.decode(runner, s["ids"], options, stats=stats), [])
+def decode(s: dict, options: api.DecodeOptions, drafter: str | None = None) -> tuple[list[int], Stats]:
+    lm = api.LoadedModel(s["target"], s["drafters"][drafter] if drafter else None, drafter or "none")
+    return collect(api.decode(lm, s["ids"], options))
 
 
 def ar_output(s: dict, max_tokens: int) -> list[int]:
     if max_tokens not in s["ar"]:
-        s["ar"][max_tokens] = decode(s, api.DecodeOptions(draft="none", max_tokens=max_tokens))
+        s["ar"][max_tokens] = decode(s, api.decode_options(draft="none", max_tokens=max_tokens))[0]
     return s["ar"][max_tokens]
 
 
@@ -85,9 +84,8 @@ def test_speculative_agrees_with_ar(setups, dtype, draft, drafter, rnn_width, lo
     model = s["target"].model
     assert model.dtype == (mx.float16 if dtype == "quantized" else getattr(mx, dtype))
     ar = ar_output(s, max_tokens)
-    stats = Stats()
-    got = decode(s, api.DecodeOptions(draft=draft, beam_width=rnn_width, beam_length=3, lookup_width=lookup_width,
-                                      max_tokens=max_tokens), drafter, stats)
+    got, stats = decode(s, api.decode_options(draft=draft, beam_width=rnn_width, beam_length=3,
+                                              lookup_width=lookup_width, max_tokens=max_tokens), drafter)
     result = compare(model, s["ids"], ar, got)
     assert result.problem() is None, result.problem()
     assert stats.steps >= 1 and stats.verified_tokens > stats.steps  # packed verification of real candidates ran

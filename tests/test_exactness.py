@@ -9,10 +9,9 @@ import pytest
 from exactness import ar_tokens, divergence, speculative_tokens
 
 from mlx_redrafter.defaults import DEFAULT_LOOKUP_MAX_LENGTH
-from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
-from mlx_redrafter.draft.redrafter import random_drafter
-from mlx_redrafter.generate import Stats
-from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
+from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.lookup import LookupSource, NgramIndex, SuffixIndex
+from mlx_redrafter.draft.redrafter import RnnSource, random_drafter
 
 N_PROMPTS, MAX_TOKENS = 3, 32
 SHORT_PROMPTS = [
@@ -52,9 +51,8 @@ def ar_outputs(target, prompts):
 
 def check(target, prompts, ar_outputs, make_allocator, length):
     for p, ar in zip(prompts, ar_outputs):
-        stats = Stats()
-        got = speculative_tokens(target.model, p, make_allocator(), length, MAX_TOKENS, target.tokenizer.eos_ids,
-                                 stats)
+        got, stats = speculative_tokens(target.model, p, make_allocator(), length, MAX_TOKENS,
+                                        target.tokenizer.eos_ids)
         problem = divergence(target.model, p, ar, got)
         assert problem is None, problem
         assert stats.steps <= stats.verified_tokens <= stats.candidate_tokens
@@ -110,7 +108,7 @@ def test_drafter_backing_up_lookup_with_a_cut_head_equals_autoregressive(target,
     drafter (its head cut to 512 of 4096 rows) proposes its W beams; never both, never neither."""
     stats = check(target, prompts, ar_outputs,
                   lambda: Allocator([Slot(LookupSource(NgramIndex), 1),
-                                     Slot(RnnSource(drafter, target.model.embed, head_rows=512), 2,
+                                     Slot(RnnSource(drafter, target.model.embed, vocab_rows=512), 2,
                                           backs_up="lookup")]), 4)
     assert stats.source_proposed["lookup"] > 0 and stats.source_proposed["rnn"] > 0
     assert stats.source_proposed["lookup"] + stats.source_proposed["rnn"] // 2 == stats.steps
@@ -133,9 +131,8 @@ def test_shipped_drafter_is_exact_and_stops_inside_accepted_runs(target, prompts
     short_ar = [ar_tokens(target.model, p, MAX_TOKENS, tok.eos_ids) for p in short]
     eos_inside_run, accepted = 0, 0
     for p, ar in zip(prompts[:N_PROMPTS] + short, ar_outputs[:N_PROMPTS] + short_ar):
-        stats = Stats()
         alloc = Allocator([Slot(RnnSource(shipped, target.model.embed), width), Slot(LookupSource(NgramIndex), 1)])
-        got = speculative_tokens(target.model, p, alloc, length, MAX_TOKENS, tok.eos_ids, stats)
+        got, stats = speculative_tokens(target.model, p, alloc, length, MAX_TOKENS, tok.eos_ids)
         problem = divergence(target.model, p, ar, got)
         assert problem is None, problem
         accepted += sum(n * c for n, c in stats.accepted_hist.items())
@@ -149,11 +146,11 @@ def test_lookup_else_rnn_through_the_api(target, prompts, ar_outputs, shipped):
     """--draft lookup-else-rnn puts the drafter behind lookup; with --drafter-vocab it is exact and recorded."""
     from mlx_redrafter import api
 
-    runner = api.Runner(target=target, drafter=shipped, drafter_name="shipped")
-    opts = api.DecodeOptions(draft="lookup-else-rnn", beam_length=4, drafter_vocab=4096, max_tokens=MAX_TOKENS)
-    slots = api.make_allocator(runner, opts).slots
+    lm = api.LoadedModel(target=target, drafter=shipped, drafter_name="shipped")
+    opts = api.decode_options(draft="lookup-else-rnn", beam_length=4, drafter_vocab=4096, max_tokens=MAX_TOKENS)
+    slots = api.make_allocator(lm, opts).slots
     assert [(s.source.name, s.backs_up) for s in slots] == [("lookup", None), ("rnn", "lookup")]
-    res = api.generate(runner, prompts[0], opts)
+    res = api.generate(lm, prompts[0], opts)
     assert res.tokens == ar_outputs[0]
     assert res.settings["draft"] == "lookup-else-rnn" and res.settings["drafter_vocab"] == 4096
     assert slots[0].source.max_length == res.settings["lookup_max_length"] == DEFAULT_LOOKUP_MAX_LENGTH
@@ -161,20 +158,18 @@ def test_lookup_else_rnn_through_the_api(target, prompts, ar_outputs, shipped):
 
 def test_continuing_a_conversation_reuses_the_cache(target, chat_ids, drafter):
     """Turn 2 decoded on top of turn 1's KV cache (only the new tokens prefilled) equals AR over everything."""
-    from mlx_redrafter.generate import generate_speculative
+    from mlx_redrafter.generate import collect, generate_speculative
 
     tok, model = target.tokenizer, target.model
     first = chat_ids[5]
     cache = model.make_cache(512)
     alloc = Allocator([Slot(RnnSource(drafter, model.embed), 2), Slot(LookupSource(NgramIndex), 1)])
-    answer = sum(generate_speculative(model, first, alloc, length=4, max_tokens=12, eos_ids=tok.eos_ids,
-                                      cache=cache), [])
-    last = answer[-1]  # decided but not yet in the cache
-    assert cache.offset == len(first) + len(answer) - 1
-    follow = [last] + tok.encode("\n<|im_start|>user\nShorter, please.<|im_end|>\n<|im_start|>assistant\n")
-    stats = Stats()
-    got = sum(generate_speculative(model, follow, alloc, length=4, max_tokens=16, eos_ids=tok.eos_ids, cache=cache,
-                                   history=first + answer[:-1], stats=stats), [])
+    answer, _ = collect(generate_speculative(model, first, alloc, length=4, max_tokens=12, eos_ids=tok.eos_ids,
+                                             cache=cache))
+    assert cache.offset == len(first) + len(answer)  # the cache holds everything emitted
+    follow = tok.encode("\n<|im_start|>user\nShorter, please.<|im_end|>\n<|im_start|>assistant\n")
+    got, stats = collect(generate_speculative(model, follow, alloc, length=4, max_tokens=16, eos_ids=tok.eos_ids,
+                                              cache=cache, history=first + answer))
     assert stats.prompt_tokens == len(follow)
-    full = first + answer[:-1] + follow
+    full = first + answer + follow
     assert divergence(model, full, ar_tokens(model, full, 16, tok.eos_ids), got) is None

@@ -13,9 +13,9 @@ import pytest
 from exactness import ar_tokens, divergence, speculative_tokens
 
 from mlx_redrafter.api import answer_table
-from mlx_redrafter.draft.lookup import AnswerIndex, NgramIndex, SuffixIndex
-from mlx_redrafter.draft.redrafter import random_drafter
-from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
+from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.lookup import AnswerIndex, LookupSource, NgramIndex, SuffixIndex
+from mlx_redrafter.draft.redrafter import RnnSource, random_drafter
 
 pytestmark = pytest.mark.fuzz
 

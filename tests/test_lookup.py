@@ -66,7 +66,8 @@ def test_answer_table_copies_the_most_frequent_continuation():
 def test_a_lookup_copy_grows_while_every_copied_token_is_accepted():
     import mlx.core as mx
 
-    from mlx_redrafter.sources import DecodeState, LookupSource
+    from mlx_redrafter.draft.base import DecodeState
+    from mlx_redrafter.draft.lookup import LookupSource
 
     src = LookupSource(NgramIndex, max_length=9)
     tokens = [50, *range(1, 15), 99, 1]  # the context ends with 1: copy what followed the earlier 1
@@ -83,14 +84,14 @@ def test_a_lookup_copy_grows_while_every_copied_token_is_accepted():
     assert step([2, 3, 4]) == [4, 5, 6, 7, 8]  # both accepted: 4 drafts
     assert step([5, 6, 7, 8, 9]) == [9, 10, 11, 12, 13, 14, 99, 1, 2]  # all 4 accepted: 8 (capped at 9 - 1)
     assert step([10, 11, 50]) == [50, 1, 2]  # a draft rejected: back to the step's length
-    assert LookupSource(NgramIndex, max_length=2).longest(3) == 3  # below the step's length: never shorter
+    assert LookupSource(NgramIndex, max_length=2).candidate_length(3) == 3  # below the step's length: never shorter
 
 
 def test_a_backup_source_proposes_only_when_the_one_it_backs_up_has_nothing():
     import mlx.core as mx
 
-    from mlx_redrafter.draft.lookup import AnswerIndex, AnswerTable
-    from mlx_redrafter.sources import DecodeState, LookupSource, Slot, propose
+    from mlx_redrafter.draft.base import DecodeState, Slot, propose
+    from mlx_redrafter.draft.lookup import AnswerIndex, AnswerTable, LookupSource
 
     table = AnswerTable(np.array([7, 8, 9, 10, -1]))
     plan = [Slot(LookupSource(NgramIndex), 1), Slot(LookupSource(lambda: AnswerIndex(table), "answers"), 1,
@@ -100,7 +101,7 @@ def test_a_backup_source_proposes_only_when_the_one_it_backs_up_has_nothing():
         state = DecodeState(tokens=tokens, g0=mx.array([tokens[-1]]), h=mx.zeros((1, 4)))
         for slot in plan:
             slot.source.start(tokens)
-        return [name for name, _ in propose(plan, state, 3)]
+        return [name for name, _ in propose(plan, state, 3).rows]
 
     assert names([1, 7, 8, 2, 7, 8]) == ["lookup"]  # the context repeats (7, 8): the table stays silent
     assert names([1, 2, 3, 7, 8]) == ["answers"]  # nothing to copy from the context: the table proposes

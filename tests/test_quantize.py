@@ -51,7 +51,7 @@ def test_mlx_lm_and_our_runtime_give_the_same_greedy_tokens(quantized):
     ids = tokenizer.encode("The capital of France is")  # short: mlx-lm's 4-bit prefill is slow on a CPU
     assert ids == ours.tokenizer.encode("The capital of France is")
     ref = [int(y) for (y, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=8), range(8))]
-    got = [t for step in generate_ar(ours.model, ids, max_tokens=8) for t in step]
+    got = [t for r in generate_ar(ours.model, ids, max_tokens=8) for t in r.tokens]
     assert got == ref
 
 

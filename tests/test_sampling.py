@@ -12,10 +12,11 @@ import pytest
 
 from mlx_redrafter import api
 from mlx_redrafter.accept import Accepted, _child_probs, _walk
-from mlx_redrafter.draft.lookup import NgramIndex
-from mlx_redrafter.generate import Stats, generate_speculative
+from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.lookup import LookupSource, NgramIndex
+from mlx_redrafter.draft.redrafter import RnnSource
+from mlx_redrafter.generate import collect, generate_speculative
 from mlx_redrafter.sampling import Sampling, probs, sample
-from mlx_redrafter.sources import Allocator, LookupSource, RnnSource, Slot
 
 ALPHA = 1e-3  # significance of the goodness-of-fit test (seeds are fixed: the outcome is deterministic)
 
@@ -41,19 +42,19 @@ def test_bad_settings_are_one_line_errors():
 
 
 @pytest.fixture(scope="module")
-def runner(target):
-    from mlx_redrafter.api import Runner, resolve_drafter
+def lm(target):
+    from mlx_redrafter.api import LoadedModel, resolve_drafter
 
     d, name = resolve_drafter("default", target)
-    return Runner(target, d, name)
+    return LoadedModel(target, d, name)
 
 
-def test_seeded_runs_are_reproducible(runner):
+def test_seeded_runs_are_reproducible(lm):
     for draft in ("none", "rnn+lookup"):
-        opts = api.DecodeOptions(draft=draft, max_tokens=20, sampling=Sampling(temperature=0.9, seed=7))
-        a, b = api.generate(runner, "Tell me a story.", opts), api.generate(runner, "Tell me a story.", opts)
+        opts = api.decode_options(draft=draft, max_tokens=20, sampling=Sampling(temperature=0.9, seed=7))
+        a, b = api.generate(lm, "Tell me a story.", opts), api.generate(lm, "Tell me a story.", opts)
         assert a.tokens == b.tokens
-        other = api.generate(runner, "Tell me a story.", opts, sampling=Sampling(temperature=0.9, seed=8))
+        other = api.generate(lm, "Tell me a story.", opts, sampling=Sampling(temperature=0.9, seed=8))
         assert other.tokens != a.tokens
 
 
@@ -103,8 +104,8 @@ def draw(model, cache, prompt_last, history, alloc_fn, s: Sampling, n: int, dept
     counts: Counter = Counter()
     for i in range(n):
         si = Sampling(temperature=s.temperature, top_k=s.top_k, seed=1000 + i, accept=s.accept)
-        toks = sum(generate_speculative(model, [prompt_last], alloc_fn(), length=3, max_tokens=depth,
-                                        sampling=si, cache=cache.copy(), history=history), [])
+        toks, _ = collect(generate_speculative(model, [prompt_last], alloc_fn(), length=3, max_tokens=depth,
+                                               sampling=si, cache=cache.copy(), history=history))
         counts[tuple(toks)] += 1
     return counts
 
@@ -139,7 +140,7 @@ def biased_rule(cands, tree, node_p, key):
 
 
 @pytest.fixture(scope="module")
-def setup(target, runner):
+def setup(target, lm):
     tok, model = target.tokenizer, target.model
     prompt = tok.encode_chat([{"role": "user", "content": "Write one sentence about the sea."}])
     cache = model.make_cache(len(prompt) + 16)
@@ -148,7 +149,7 @@ def setup(target, runner):
     mx.eval(cache.state())
 
     def alloc():  # sibling candidates at depth 1 and 2 from the trained drafter, plus lookup
-        return Allocator([Slot(RnnSource(runner.drafter, model.embed), 3), Slot(LookupSource(NgramIndex), 1)])
+        return Allocator([Slot(RnnSource(lm.drafter, model.embed), 3), Slot(LookupSource(NgramIndex), 1)])
 
     return model, cache, prompt, alloc
 
@@ -169,10 +170,8 @@ def test_the_statistical_test_rejects_a_biased_rule(setup):
     assert goodness_of_fit(counts, expected) < ALPHA
 
 
-def test_typical_acceptance_runs_and_reports(runner):
-    stats = Stats()
-    opts = api.DecodeOptions(max_tokens=24, sampling=Sampling(temperature=0.7, seed=0, accept="typical"))
-    for _ in api.stream_generate(runner, "Name three fruits.", opts, stats=stats):
-        pass
+def test_typical_acceptance_runs_and_reports(lm):
+    opts = api.decode_options(max_tokens=24, sampling=Sampling(temperature=0.7, seed=0, accept="typical"))
+    stats = api.generate(lm, "Name three fruits.", opts).stats
     assert stats.generated_tokens > 0 and stats.steps > 0
-    assert api.settings(runner, opts)["accept"] == "typical"
+    assert api.settings(lm, opts)["accept"] == "typical"

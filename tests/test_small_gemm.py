@@ -59,7 +59,7 @@ def test_a_decode_step_uses_it(target):
 
     before = small_gemm_calls()[0]
     ids = target.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
-    sum(generate_ar(target.model, ids, max_tokens=3), [])
+    list(generate_ar(target.model, ids, max_tokens=3))
     # each one-token step: 4 products per layer (q/k/v and gate/up fused at load, o, down) + the vocabulary
     assert small_gemm_calls()[0] - before >= 2 * (4 * target.model.args.num_hidden_layers + 1)
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlx_redrafter import sweep
-from mlx_redrafter.api import Runner
+from mlx_redrafter.api import LoadedModel
 from mlx_redrafter.cmd.main import app
 
 
@@ -28,9 +28,9 @@ def spinner():
 
 
 def test_busy_machine_is_flagged(target, spinner, capsys):
-    runner = Runner(target=target, drafter=None, drafter_name="none")
+    lm = LoadedModel(target=target, drafter=None, drafter_name="none")
     configs = sweep.grid_configs(["lookup"], [1], [2], max_tokens=3)
-    res = sweep.sweep(runner, [{"prompt": "Say hi."}], configs, warmup_tokens=2, watch_interval=0.5)
+    res = sweep.sweep(lm, [{"prompt": "Say hi."}], configs, warmup_tokens=2, watch_interval=0.5)
     state = res.machine_state
     assert not res.quiet and state["quiet"] is False
     for when in ("before", "during", "after"):

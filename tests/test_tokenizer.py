@@ -141,10 +141,10 @@ def test_vicuna_layout_directory_loads_and_chats(tmp_path, sp_model):
     d = tmp_path / "vicuna-tiny"
     write_tiny_llama(d, spm.SentencePieceProcessor(model_proto=sp_model).get_piece_size())
     (d / "tokenizer.model").write_bytes(sp_model)  # no tokenizer.json, no chat template
-    runner = api.load(str(d), drafter="none", dtype="float32")
-    tok = runner.tokenizer
+    lm = api.load(str(d), drafter="none", dtype="float32")
+    tok = lm.tokenizer
     assert tok.kind == "sentencepiece" and tok.template_source == "built-in vicuna" and tok.eos_ids == [2]
-    session = ChatSession(runner, api.DecodeOptions(max_tokens=6))
+    session = ChatSession(lm, api.decode_options(max_tokens=6))
     first = "".join(session.send("Hello!"))
     assert session.last.prefill_tokens == session.last.prompt_tokens  # the first turn prefills everything
     assert session.tokens[: session.last.prompt_tokens] == tok.encode(f"<s>{VICUNA_SYSTEM} USER: Hello! ASSISTANT:")

@@ -135,17 +135,17 @@ def test_checkpoint_for_another_model_is_a_one_line_error(target, corpus_dirs, t
 
 
 def test_cli_errors(tmp_path):
-    runner = CliRunner()
-    res = runner.invoke(app, ["train", "--corpus", str(tmp_path / "none")])
+    lm = CliRunner()
+    res = lm.invoke(app, ["train", "--corpus", str(tmp_path / "none")])
     assert res.exit_code == 2 and "error: no corpus" in res.output
-    res = runner.invoke(app, ["distill", "--prompts", str(tmp_path / "missing.jsonl"), "--nice", "0"])
+    res = lm.invoke(app, ["distill", "--prompts", str(tmp_path / "missing.jsonl"), "--nice", "0"])
     assert res.exit_code == 2 and "error: prompts file" in res.output
     other = tmp_path / "other"
     save_drafter(random_drafter(64, 100, seed=0), other)
-    res = runner.invoke(app, ["eval-drafter", "--drafter", str(other), "--num-prompts", "1", "--widths", "1",
+    res = lm.invoke(app, ["eval-drafter", "--drafter", str(other), "--num-prompts", "1", "--widths", "1",
                               "--lengths", "2"])
     assert res.exit_code == 2 and "hidden_size" in res.output
-    res = runner.invoke(app, ["eval-drafter", "--widths", "x"])
+    res = lm.invoke(app, ["eval-drafter", "--widths", "x"])
     assert res.exit_code == 2 and "error: --widths" in res.output
 
 

@@ -119,22 +119,16 @@ def test_a_pad_inside_a_candidate_keeps_tokens_and_cache_in_step(target, tempera
     """A candidate [g0, x, PAD, a1, a2] with x a token the target rejects and a1 its own choice: the step emits
     what it would for the candidate cut at the PAD, and commits exactly as many KV entries as it emits tokens
     (before, a1 became a child of the root at depth 3 and exact acceptance committed entries it never emitted)."""
+    from mlx_redrafter.draft.base import DecodeState, Slot, Source
     from mlx_redrafter.sampling import Rng, Sampling
-    from mlx_redrafter.sources import DecodeState, Slot
     from mlx_redrafter.step import prefill, speculative_step
     from mlx_redrafter.tree import PAD
 
     model, sampling = target.model, Sampling(temperature=temperature)
     prompt = target.tokenizer.encode_chat([{"role": "user", "content": "Count from one to ten."}])
 
-    class Fixed:
+    class Fixed(Source):
         name, cands = "fixed", None
-
-        def start(self, tokens):
-            pass
-
-        def extend(self, tokens):
-            pass
 
         def propose(self, state, length, width):
             return self.cands

@@ -81,58 +81,36 @@ def _answer(session, line: str) -> None:
 
 
 @c.one_line_errors
+@c.with_decode_flags
 def chat(
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     drafter: str = typer.Option("default", help=c.DRAFTER_HELP),
-    draft: str | None = c.Draft,
-    no_draft: bool = c.NoDraft,
-    beam_width: int | None = c.BeamWidth,
-    beam_length: int | None = c.BeamLength,
-    lookup_width: int | None = c.LookupWidth,
-    lookup: str = c.Lookup,
-    answers_width: int = c.AnswersWidth,
-    drafter_vocab: int | None = c.DrafterVocab,
-    lookup_max_length: int = c.LookupMaxLength,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most new tokens per answer."),
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
-    temp: float = c.Temp, top_p: float = c.TopP, top_k: int = c.TopK, min_p: float = c.MinP,
-    seed: int | None = c.Seed, accept: str = c.Accept, typical_eps: float = c.TypicalEps,
-    typical_delta: float = c.TypicalDelta,
     system: str | None = typer.Option(None, "--system", "-s", help="System prompt (default: the template's)."),
     template: str = typer.Option("own", help="Chat template: own (the model's; Vicuna's for Vicuna models), "
                                              "vicuna, chatml, or a .jinja file."),
     max_context: int | None = typer.Option(None, "--max-context", help="Most tokens the conversation keeps; older "
                                            "turns are dropped beyond it (default: the model's context)."),
+    *,
+    flags: dict,
 ) -> None:
     """Interactive chat with streaming output and KV-cache reuse across turns. /help lists the commands."""
-    from mlx_redrafter import api, tuning
-    from mlx_redrafter.chat import ChatSession, drafting_fallback
+    from mlx_redrafter import api
+    from mlx_redrafter.chat import ChatSession
+    from mlx_redrafter.draft.modes import wants_drafter
     from mlx_redrafter.models.templates import load_template_option
-    from mlx_redrafter.sampling import Sampling
 
-    if max_tokens < 1:
-        c.fail(f"--max-tokens must be >= 1 (got {max_tokens})")
-    sampling = Sampling(temp, top_p, top_k, min_p, seed, accept, typical_eps, typical_delta)
-    base = api.DecodeOptions(lookup=lookup, answers_width=answers_width, drafter_vocab=drafter_vocab,
-                             lookup_max_length=lookup_max_length,
-                             max_tokens=max_tokens, sampling=sampling)
-    res = tuning.resolve(model, drafter, c.decode_flags(draft, no_draft, beam_width, beam_length, lookup_width),
-                         dtype, base)
-    res.options.check()
+    res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
     custom = None if template == "own" else load_template_option(template)
     typer.echo("loading model...", err=True)
-    runner = api.load(model, drafter if res.options.draft != "none" else "none", res.dtype)
-    tok = runner.tokenizer
+    lm = api.load(model, drafter if wants_drafter(res.options.draft) else "none", res.dtype)
+    tok = lm.tokenizer
     if custom is not None:
         tok.set_template(custom, f"--template {template}")
-    options, note = drafting_fallback(runner, res.options)
-    session = ChatSession(runner, options, system=system, max_context=max_context)
-    s = api.settings(runner, options)
-    shape = (f" W={s['beam_width']}" if "rnn" in s["draft"] else "") + (
-        f" L={s['beam_length']}" if s["draft"] != "none" else "")
-    typer.echo(f"model={s['model']} dtype={s['dtype']} draft={s['draft']}{shape} drafter={s['drafter']} "
-               f"({res.source} settings), template: {tok.template_source}", err=True)
-    if note:
+    session = ChatSession(lm, res.options, system=system, max_context=max_context)
+    typer.echo(f"{c.banner(lm, res)}, template: {tok.template_source}", err=True)
+    for note in c.decoding_notes(lm, res):
         typer.echo(f"note: {note}", err=True)
     if not tok.chat_template:
         typer.echo("note: the model has no chat template: prompts are plain text (try --template vicuna)", err=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -11,9 +12,12 @@ import typer
 from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_BEAM_LENGTH,
+    DEFAULT_BEAM_WIDTH,
     DEFAULT_DRAFTER_VOCAB,
     DEFAULT_LOOKUP_MAX_LENGTH,
+    DEFAULT_LOOKUP_WIDTH,
 )
+from mlx_redrafter.draft.modes import MODES
 from mlx_redrafter.errors import UserError
 
 MODEL_HELP = ("Target: a .gguf file, an mlx-lm directory, a Hugging Face repo id or an alias (default: embedded "
@@ -78,46 +82,95 @@ def int_list(text: str, flag: str) -> list[int]:
     return vals
 
 
-# Decoding flags shared by generate / chat (None = not given: tuned entry or default applies).
-Draft = typer.Option(None, "--draft", help="Drafting: auto (the drafter's own kind: lookup-else-rnn for a "
-                                           "ReDrafter, else lookup without one), rnn, lookup, rnn+lookup, "
-                                           "lookup-else-rnn (the drafter only where lookup finds nothing), medusa, "
-                                           "semi_ar, none "
-                                           "\\[tuned, else auto].")
-MedusaTree = typer.Option(None, "--medusa-tree", help="Medusa's static tree: cpu (7 nodes), mc_sim_7b_63, or NAME:N "
-                                                      "(its first N nodes) \\[cpu].")
-NoDraft = typer.Option(False, "--no-draft", help="Plain autoregressive decoding (= --draft none).")
-BeamWidth = typer.Option(None, "--beam-width", "-w", help="W: candidates of the recurrent drafter \\[tuned, else 1].")
-BeamLength = typer.Option(None, "--beam-length", "-l",
-                          help=f"L: candidate length incl. the first token \\[tuned, else {DEFAULT_BEAM_LENGTH}].")
-LookupWidth = typer.Option(None, "--lookup-width", help="Candidates copied from the context \\[tuned, else 1].")
-AnswersWidth = typer.Option(DEFAULT_ANSWERS_WIDTH, "--answers-width",
-                            help="With lookup: candidates copied from the model's own answers to other prompts "
-                                 "in steps where the context has nothing to copy (where a table is shipped; "
-                                 "0 = off) \\[0].")
-DrafterVocab = typer.Option(None, "--drafter-vocab",
-                            help="Recurrent drafter: draft from only the N most frequent tokens of its head (a "
-                                 f"cheaper head; exact either way; 0 = all) \\[{DEFAULT_DRAFTER_VOCAB} where the "
-                                 "head is frequency-ordered and larger, else all].")
-LookupMaxLength = typer.Option(DEFAULT_LOOKUP_MAX_LENGTH, "--lookup-max-length",
-                               help="With lookup: after a step that accepted every copied token, the next copy may "
-                                    "be twice as long, up to this many tokens incl. the first (<= --beam-length: "
-                                    f"copies keep the beam length) \\[{DEFAULT_LOOKUP_MAX_LENGTH}].")
-Lookup = typer.Option("ngram", "--lookup", help="Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), "
-                                                "suffix (suffix automaton), suffix2 (matches of >= 2 tokens).")
-Temp = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy).")
-TopP = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the top tokens holding this much mass.")
-TopK = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
-MinP = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability.")
-Seed = typer.Option(None, "--seed", help="Random seed (same seed, same text).")
-Accept = typer.Option("exact", "--accept", help="Speculative acceptance at T > 0: exact (the target's distribution) "
-                                                "or typical (Medusa's, faster, not exact).")
-TypicalEps = typer.Option(0.09, "--typical-eps", help="Typical acceptance: posterior threshold eps.")
-TypicalDelta = typer.Option(0.3, "--typical-delta", help="Typical acceptance: entropy factor delta.")
+# Decoding flags shared by generate, chat and serve: name -> (type, option). None = not given: the tuned entry or
+# the default applies (`tuning.resolve`), so every default is in one place (options.py, defaults.py).
+DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
+    "draft": (str | None, typer.Option(None, "--draft", help=(
+        "Drafting: auto (the drafter's own kind: lookup-else-rnn for a ReDrafter, lookup without a drafter), "
+        + ", ".join(f"{m.name} ({m.help})" for m in MODES.values()) + " \\[tuned, else auto]."))),
+    "no_draft": (bool, typer.Option(False, "--no-draft", help="Plain autoregressive decoding (= --draft none).")),
+    "beam_width": (int | None, typer.Option(None, "--beam-width", "-w", help=(
+        f"W: candidates of the drafter \\[tuned, else {DEFAULT_BEAM_WIDTH}]."))),
+    "beam_length": (int | None, typer.Option(None, "--beam-length", "-l", help=(
+        f"L: candidate length incl. the first token \\[tuned, else {DEFAULT_BEAM_LENGTH}]."))),
+    "lookup_width": (int | None, typer.Option(None, "--lookup-width", help=(
+        f"Candidates copied from the context \\[tuned, else {DEFAULT_LOOKUP_WIDTH}]."))),
+    "lookup": (str | None, typer.Option(None, "--lookup", help=(
+        "Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), suffix (suffix automaton), suffix2 "
+        "(matches of >= 2 tokens) \\[ngram]."))),
+    "lookup_max_length": (int | None, typer.Option(None, "--lookup-max-length", help=(
+        "With lookup: a copy that keeps being accepted doubles, up to this many tokens incl. the first "
+        f"(<= --beam-length: no growth) \\[{DEFAULT_LOOKUP_MAX_LENGTH}]."))),
+    "answers_width": (int | None, typer.Option(None, "--answers-width", help=(
+        "With lookup: candidates from the model's answer table where the context has nothing to copy (where a "
+        f"table is shipped; 0 = off) \\[{DEFAULT_ANSWERS_WIDTH}]."))),
+    "drafter_vocab": (int | None, typer.Option(None, "--drafter-vocab", help=(
+        "ReDrafter: draft from only the N most frequent tokens of its head (exact either way; 0 = all) "
+        f"\\[{DEFAULT_DRAFTER_VOCAB} where the head is frequency-ordered and larger, else all]."))),
+    "medusa_tree": (str | None, typer.Option(None, "--medusa-tree", help=(
+        "Medusa's static tree: cpu (7 nodes), mc_sim_7b_63, or NAME:N (its first N nodes) \\[cpu]."))),
+    "temp": (float | None, typer.Option(None, "--temp", help="Sampling temperature (0 = greedy) \\[0].")),
+    "top_p": (float | None, typer.Option(None, "--top-p", help=(
+        "Nucleus sampling: keep the top tokens holding this much mass \\[1]."))),
+    "top_k": (int | None, typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off) \\[0].")),
+    "min_p": (float | None, typer.Option(None, "--min-p", help=(
+        "Drop tokens below min_p x the top token's probability \\[0]."))),
+    "seed": (int | None, typer.Option(None, "--seed", help="Random seed (same seed, same text).")),
+    "accept": (str | None, typer.Option(None, "--accept", help=(
+        "Speculative acceptance at T > 0: exact (the target's distribution) or typical (Medusa's, faster, not "
+        "exact) \\[exact]."))),
+    "typical_eps": (float | None, typer.Option(None, "--typical-eps", help=(
+        "Typical acceptance: posterior threshold eps \\[0.09]."))),
+    "typical_delta": (float | None, typer.Option(None, "--typical-delta", help=(
+        "Typical acceptance: entropy factor delta \\[0.3]."))),
+}
 
 
-def decode_flags(draft: str | None, no_draft: bool, beam_width: int | None, beam_length: int | None,
-                 lookup_width: int | None, medusa_tree: str | None = None) -> dict[str, Any]:
-    """The decoding flags the user gave (None where not given)."""
-    return {"draft": "none" if no_draft else draft, "beam_width": beam_width, "beam_length": beam_length,
-            "lookup_width": lookup_width, "medusa_tree": medusa_tree}
+def with_decode_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command the shared decoding flags (`DECODE_FLAGS`); it receives them as one dict, `flags`, by flat
+    option name (None where not given; --no-draft folded into draft)."""
+    sig = inspect.signature(fn, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "flags"]
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
+             for name, (kind, opt) in DECODE_FLAGS.items()]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        flags = {name: kwargs.pop(name) for name in DECODE_FLAGS}
+        if flags.pop("no_draft"):
+            if flags["draft"] not in (None, "none"):
+                raise UserError(f"--no-draft and --draft {flags['draft']} contradict each other: give one")
+            flags["draft"] = "none"
+        return fn(*args, flags=flags, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=[*own, *extra])
+    return wrapper
+
+
+def resolve_options(model: str | None, drafter: str, dtype: str, flags: dict[str, Any], **given: Any):
+    """Decoding options for a command: its flags (and command-level options in `given`, e.g. max_tokens) over the
+    tuned entry over the defaults (`tuning.Resolved`)."""
+    from mlx_redrafter import tuning
+
+    return tuning.resolve(model, drafter, {**flags, **given}, dtype)
+
+
+def decoding_notes(lm: Any, res: Any) -> list[str]:
+    """One-line notes on how decoding will run that a user would not guess: drafting by lookup because no drafter
+    was found for `auto`, a tuned plain-AR entry overridden by a drafting flag."""
+    notes = list(res.notes)
+    if res.options.draft == "auto" and lm.drafter is None:
+        notes.append(f"no drafter for {lm.target.name}: --draft auto drafts by lookup (copying from the context)")
+    return notes
+
+
+def banner(lm: Any, res: Any) -> str:
+    """One line: what decodes, with which settings and where each came from."""
+    from mlx_redrafter import api
+
+    s = api.settings(lm, res.options)
+    shape = "".join(f" {label}={s[key]}" for key, label in (("beam_width", "W"), ("beam_length", "L"),
+                                                           ("lookup_width", "lookup-W")) if s[key])
+    origin = ", ".join(f"{k}: {v}" for k, v in sorted(res.origin.items()) if k != "max_tokens") or "defaults"
+    return (f"model={s['model']} dtype={s['dtype']} draft={s['draft']}{shape} drafter={s['drafter']} "
+            f"blas={s['blas']} (settings: {origin})")

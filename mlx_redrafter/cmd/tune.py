@@ -56,13 +56,13 @@ def tune(
     states: list[dict[str, Any]] = []
     prompts = first_turns(prompts_file, num_prompts, spread=True)
     for dtype in dtype_list:
-        runner = api.load(model, drafter, dtype)
-        modes = sweep.parse_drafts(drafts, runner.drafter is not None)
+        lm = api.load(model, drafter, dtype)
+        modes = sweep.parse_drafts(drafts, lm.drafter is not None)
         configs = sweep.grid_configs(modes, grid_w, grid_l, max_tokens)
-        res = sweep.sweep(runner, prompts, configs, repeats, progress=sweep.print_progress)
+        res = sweep.sweep(lm, prompts, configs, repeats, progress=sweep.print_progress)
         rows += res.rows
         states.append(res.machine_state)
-        del runner
+        del lm
     quiet = all(s["quiet"] for s in states)
     if not quiet and not force:
         _refuse([r for s in states for r in s["reasons"]])

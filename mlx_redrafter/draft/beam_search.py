@@ -12,6 +12,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from mlx_redrafter.draft.base import DecodeState, Source
+
 
 class RecurrentDrafter(Protocol):
     """What beam search needs of a drafter (`initial_state(B, W, dtype)` is optional)."""
@@ -87,3 +89,19 @@ def greedy_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array
         tok = drafter.token_ids(mx.argmax(drafter.logits(ctx, state), axis=-1)).astype(mx.int32)
         out.append(tok)
     return mx.concatenate(out, axis=-1)[:, None, :]
+
+
+class BeamSource(Source):
+    """Candidates of a recurrent drafter: `width` beams of `length` tokens from the target's hidden state and g0
+    (width 1: greedy drafting)."""
+
+    name = "beam"
+
+    def __init__(self, drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array]):
+        self.drafter, self.embed = drafter, embed
+
+    def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        if width == 1:
+            return greedy_draft(self.drafter, self.embed, state.h, state.g0, length)[0]
+        beams, _ = beam_search(self.drafter, self.embed, state.h, state.g0, width, length)
+        return beams[0]

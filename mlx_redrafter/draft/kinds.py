@@ -23,7 +23,6 @@ AnyDrafter = Union[Drafter, MedusaHeads, SemiARDrafter]
 LOADERS = {REDRAFTER_TYPE: load_drafter, medusa.MODEL_TYPE: medusa.load_medusa,
            semi_ar.MODEL_TYPE: semi_ar.load_semi_ar}
 MODE_OF_TYPE = {REDRAFTER_TYPE: "rnn", medusa.MODEL_TYPE: "medusa", semi_ar.MODEL_TYPE: "semi_ar"}
-NAMES = {"rnn": "ReDrafter (rnn)", "medusa": "Medusa", "semi_ar": "semi-AR"}  # per draft mode, for messages
 
 
 def load_any_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> AnyDrafter:

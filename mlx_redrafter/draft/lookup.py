@@ -12,15 +12,23 @@ Both return distinct continuations, longest match first.
 drafter as answers.npz, built by `redrafter-mlx answers`); `AnswerIndex` is one decode's view of it. A small
 model reuses its own phrasing across answers, so what followed the context's last n tokens there is often
 what it writes next here; it backs up context lookup (it proposes in steps where the context has nothing to copy).
+
+`LookupSource` turns any of these indices into a draft source; `INDEXES` names the context indices the options
+choose from.
 """
 
 from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+
+from mlx_redrafter.draft.base import PAD, DecodeState
 
 
 class NgramIndex:
@@ -197,3 +205,51 @@ class AnswerIndex:
 
     def candidates(self, max_len: int, width: int) -> list[list[int]]:
         return self.table.candidates(list(self.tokens), max_len, width)
+
+
+# Context lookup indices by name; the "2" variants copy only after a match of at least two tokens (fewer, better
+# drafts).
+INDEXES: dict[str, Callable[[], object]] = {
+    "ngram": partial(NgramIndex, 4, 1), "ngram2": partial(NgramIndex, 4, 2), "suffix": SuffixIndex,
+    "suffix2": partial(SuffixIndex, 2)}
+
+
+class LookupSource:
+    """Training-free drafts copied by an index of this module, kept in step with the decided tokens.
+
+    With `max_length` above the step's length, a copy that keeps being accepted grows: after a step that accepted
+    every token this source proposed, its next candidates may copy twice as many, up to `max_length` tokens
+    (g0 included); any other step sets them back to the step's length (long copies only where the text is
+    being copied).
+    """
+
+    optional = True  # may sit out (Allocator) when it keeps finding nothing worth verifying
+
+    def __init__(self, index_factory: Callable[[], object], name: str = "lookup", max_length: int = 0):
+        self.factory, self.name, self.max_length = index_factory, name, max_length
+        self.index = index_factory()
+        self.proposed: list[list[int]] = []  # the drafts of this step's candidates
+        self.asked = 0  # drafts this step's candidates could have had
+        self.grown = 0  # drafts the next step may ask for (0: the step's length)
+
+    def start(self, tokens: list[int]) -> None:
+        self.index = self.factory()
+        self.index.extend(tokens)
+        self.proposed, self.grown = [], 0
+
+    def extend(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+        copied = any(len(c) == self.asked and tokens[: len(c)] == c for c in self.proposed)
+        self.grown = 2 * self.asked if copied else 0
+        self.proposed = []
+
+    def candidate_length(self, length: int) -> int:
+        return max(length, self.max_length)
+
+    def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        self.asked = min(max(length - 1, self.grown), self.candidate_length(length) - 1)
+        self.proposed = self.index.candidates(self.asked, width)
+        if not self.proposed:
+            return None
+        rows = [[state.tokens[-1], *c] + [PAD] * (self.asked - len(c)) for c in self.proposed]
+        return mx.array(rows, dtype=mx.int32)

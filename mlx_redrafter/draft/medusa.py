@@ -19,13 +19,12 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_redrafter.draft.base import PAD, DecodeState, Source
 from mlx_redrafter.draft.head import HeadArgs, HeadDrafter
 from mlx_redrafter.draft.medusa_trees import DEFAULT_TREE, TreePath, check_tree, parse_tree, tree_index
 from mlx_redrafter.draft.redrafter import ResBlock
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.schema import MAX_DRAFT_LAYERS, Field
-from mlx_redrafter.sources import DecodeState
-from mlx_redrafter.tree import PAD
 
 MODEL_TYPE = "medusa"
 MAX_MEDUSA_HEADS = 64
@@ -104,7 +103,7 @@ def top_tokens(logits: mx.array, k: int) -> mx.array:
     return mx.take_along_axis(part, order, axis=-1)
 
 
-class MedusaSource:
+class MedusaSource(Source):
     """Proposes a static Medusa tree as its root-to-leaf paths: column 0 = g0, then along each path the heads'
     top-k tokens of the path's ranks, PAD after the path's end. The tree is cut at min(L-1, heads) levels; a
     width below the number of paths keeps the first `width` paths (in the tree's order)."""
@@ -123,12 +122,6 @@ class MedusaSource:
     def num_paths(self, length: int) -> int:
         """Candidates proposed at candidate length `length` with no width limit (the whole cut tree)."""
         return self._plan(length, len(self.tree)).n
-
-    def start(self, tokens: list[int]) -> None:
-        pass
-
-    def extend(self, tokens: list[int]) -> None:
-        pass
 
     def _plan(self, length: int, width: int) -> _Plan:
         """Index arrays of the candidates for this length and width, built once per pair (host-side)."""

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_redrafter.draft.beam_search import BeamSource
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import fsync_tree, read_json
 from mlx_redrafter.models import safetensors_header
@@ -214,6 +216,16 @@ class FrequentHead:
 
     def token_ids(self, head_index: mx.array) -> mx.array:
         return self.vocab[head_index]
+
+
+class RnnSource(BeamSource):
+    """ReDrafter: W beams of the recurrent draft head, conditioned on the target's hidden state."""
+
+    name = "rnn"
+
+    def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array], vocab_rows: int = 0):
+        """`vocab_rows` > 0: draft with only that many of the head's most frequent tokens (`FrequentHead`)."""
+        super().__init__(FrequentHead(drafter, vocab_rows) if vocab_rows else drafter, embed)
 
 
 def _quantize_linears(drafter: Drafter, bits: int, group_size: int) -> None:

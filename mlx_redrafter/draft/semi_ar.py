@@ -26,11 +26,11 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_redrafter.draft.beam_search import BeamSource
 from mlx_redrafter.draft.head import HeadArgs, HeadDrafter
 from mlx_redrafter.draft.redrafter import ResBlock
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_WIDTH, Field
-from mlx_redrafter.sources import RnnSource
 
 MODEL_TYPE = "semi_ar_drafter"
 TLMS = ("transformer", "lstm")
@@ -137,7 +137,7 @@ class SemiARDrafter(HeadDrafter):
         return self.head(mx.broadcast_to(h[:, None, :], (B, T, h.shape[-1])), h_q)
 
 
-class SemiARSource(RnnSource):
+class SemiARSource(BeamSource):
     """Semi-AR drafting: W beams of length L by `beam_search` (W = 1 is greedy drafting)."""
 
     name = "semi_ar"

@@ -1,4 +1,4 @@
-"""Growing a corpus from a source of sequences: the job runner shared by every source.
+"""Growing a corpus from a source of sequences: the job loop shared by every source.
 
 Three sources produce sequences for the same corpus format (`corpus.py`):
 

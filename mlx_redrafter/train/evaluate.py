@@ -33,19 +33,17 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
     `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report."""
     from mlx_redrafter import api
 
-    runner = api.load(model, drafter_spec, "float32")
-    if "rnn" in draft and runner.drafter is None:
-        raise UserError(f"no drafter for {runner.target.name}: pass --drafter DIR")
-    ids = [api.encode_prompt(runner, p) for p in prompts]
+    lm = api.load(model, drafter_spec, "float32")
+    api.draft_mode(lm, api.decode_options(draft=draft))  # a drafter this mode cannot use: one line, now
+    ids = [api.encode_prompt(lm, p) for p in prompts]
     results = []
     for w in widths:
         for length in lengths:
-            opts = api.DecodeOptions(draft=draft, beam_width=w, beam_length=length, max_tokens=max_tokens)
-            opts.check()
+            opts = api.decode_options(draft=draft, beam_width=w, beam_length=length, max_tokens=max_tokens)
             per_prompt, hist, steps, decided, t0 = [], Counter(), 0, 0.0, time.perf_counter()
             phase = Counter()
             for p in ids:
-                st = api.generate(runner, p, opts).stats
+                st = api.generate(lm, p, opts).stats
                 if st.steps:
                     per_prompt.append(st.tokens_per_step)
                     steps += st.steps
@@ -65,7 +63,7 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
             results.append(rec)
             if log:
                 log(str(rec))
-    return {"model": runner.target.name, "drafter": runner.drafter_name, "draft": draft, "prompts": len(ids),
+    return {"model": lm.target.name, "drafter": lm.drafter_name, "draft": draft, "prompts": len(ids),
             "prompts_source": source, "max_tokens": max_tokens, "results": results}
 
 

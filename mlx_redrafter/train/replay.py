@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlx_redrafter.sources import Allocator, DecodeState, propose
+from mlx_redrafter.draft.base import Allocator, DecodeState, propose
 from mlx_redrafter.train.corpus import Shard
 
 
@@ -54,20 +54,19 @@ def replay_sequence(tokens: np.ndarray, prompt_len: int, hidden: np.ndarray, mak
     for src in alloc.sources:
         src.start(state.tokens)
     while p + 2 < end:
-        runs: dict[str, int] = {}
-        best = 0
         truth = x[p + 2 : end]
-        for name, c in propose(alloc.plan(), state, length):
-            cands = np.array(c)
+        proposal = propose(alloc.plan(), state, length)
+        runs, best = {}, 0
+        if proposal.rows:  # else nothing was proposed: an autoregressive step
+            cands = np.array(proposal.candidates)
             stats.verified += int((cands >= 0).sum())
-            run = 0
+            matched = []
             for row in cands:
                 k = 0
-                while k < length - 1 and k < len(truth) and row[k + 1] == truth[k]:
+                while k < len(row) - 1 and k < len(truth) and row[k + 1] == truth[k]:
                     k += 1
-                run = max(run, k)
-            runs[name] = max(runs.get(name, 0), run)
-            best = max(best, run)
+                matched.append(k)
+            runs, best = proposal.by_source(matched), max(matched)
         alloc.update(runs)
         stats.source_runs.update(runs)
         stats.steps += 1

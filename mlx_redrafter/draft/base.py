@@ -1,0 +1,164 @@
+"""The draft layer's contract: what a source of candidates sees, what it returns, and how a step's plan is made.
+
+A source proposes candidates for the next step: an int32 array (n, L') whose column 0 is the token the target
+already decided (g0) and whose other columns are guesses; a candidate that ends early is padded with `PAD`.
+L' is the step's length L, or up to `candidate_length(L)` for a source whose candidates may grow (context
+lookup). `propose` collects the candidates of every slot of a step's plan into one PAD-padded array, in plan
+order, with the rows each source owns; the step packs that array into one tree and verifies it in one target
+call.
+
+Candidates must be a deterministic function of the decided tokens and the target's state (`DecodeState`) and
+of what the source was told through `start` / `extend`: exact sampling verifies each candidate against the
+target's distribution and relies on the drafts not depending on anything the target did not see.
+
+This module imports nothing of the package but the packed tree's PAD: every source builds on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from mlx_redrafter.tree import PAD
+
+
+@dataclass
+class DecodeState:
+    """What a source may look at: the decided tokens and the target's state at the last one."""
+
+    tokens: list[int]  # every decided token (history + prompt + generated); the last one is g0
+    g0: mx.array  # (1,) int32: the last decided token, not yet in the KV cache
+    h: mx.array  # (1, H): the target's post-norm hidden state at the position before g0
+
+
+class DraftSource(Protocol):
+    """A source of candidate continuations (see the module docstring)."""
+
+    name: str
+    optional: bool  # may sit out steps where it keeps finding nothing worth verifying (`Allocator`)
+
+    def start(self, tokens: list[int]) -> None:
+        """A new sequence begins; `tokens` are all decided tokens (g0 last)."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens decided by the last step were appended."""
+
+    def candidate_length(self, length: int) -> int:
+        """The longest candidates (g0 included) this source proposes in steps of `length`."""
+
+    def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        """Up to `width` candidates (column 0 = g0), or None when there is nothing to propose."""
+
+
+class Source:
+    """Defaults for a stateless source of fixed-length candidates (subclasses set `name`, define `propose`)."""
+
+    name = "source"
+    optional = False
+
+    def start(self, tokens: list[int]) -> None:
+        pass
+
+    def extend(self, tokens: list[int]) -> None:
+        pass
+
+    def candidate_length(self, length: int) -> int:
+        return length
+
+
+@dataclass
+class Slot:
+    """One source in a step's plan and how many candidates it may propose; a slot that `backs_up` another source
+    proposes only in steps where that source proposed nothing (e.g. the answer table behind context lookup)."""
+
+    source: DraftSource
+    width: int
+    backs_up: str | None = None
+
+
+@dataclass
+class Proposal:
+    """A step's candidates: one PAD-padded array (n, L') and, in row order, which source owns how many rows."""
+
+    candidates: mx.array
+    rows: list[tuple[str, int]]
+
+    def by_source(self, per_row: list[int]) -> dict[str, int]:
+        """Per source, the best of a per-candidate value (e.g. the drafts each candidate had accepted)."""
+        out: dict[str, int] = {}
+        start = 0
+        for name, n in self.rows:
+            out[name] = max(out.get(name, 0), *per_row[start : start + n])
+            start += n
+        return out
+
+    def proposed(self) -> dict[str, int]:
+        """Per source, the candidates it proposed."""
+        out: dict[str, int] = {}
+        for name, n in self.rows:
+            out[name] = out.get(name, 0) + n
+        return out
+
+
+def propose(plan: list[Slot], state: DecodeState, length: int) -> Proposal:
+    """The candidates of every slot that proposes this step, in plan order, padded to one width. Backup slots are
+    asked after the others, wherever they stand in the plan (one level: a backup does not back up a backup).
+    With nothing proposed, the one candidate is g0 alone (the step is then an autoregressive step)."""
+    got: dict[int, mx.array] = {}
+    for i in sorted(range(len(plan)), key=lambda i: plan[i].backs_up is not None):
+        slot = plan[i]
+        if slot.width <= 0 or any(plan[j].source.name == slot.backs_up for j in got):
+            continue
+        c = slot.source.propose(state, length, slot.width)
+        if c is not None:
+            got[i] = c
+    if not got:
+        alone = mx.concatenate([state.g0.astype(mx.int32), mx.full((length - 1,), PAD, dtype=mx.int32)])[None]
+        return Proposal(alone, [])
+    parts = [got[i] for i in sorted(got)]
+    width = max(c.shape[1] for c in parts)
+    parts = [c if c.shape[1] == width else mx.pad(c, [(0, 0), (0, width - c.shape[1])], constant_values=PAD)
+             for c in parts]
+    cands = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    return Proposal(cands, [(plan[i].source.name, got[i].shape[0]) for i in sorted(got)])
+
+
+class Allocator:
+    """Shares a step's candidates between sources.
+
+    Fixed: every source proposes up to its width every step. Adaptive: a source that may sit out (`optional`,
+    e.g. lookup, which only sometimes finds text worth copying) is left out while the drafts its best candidates
+    had accepted, an exponential moving average, stay below `min_gain` per step (its candidates would only add
+    verify cost), except on every `probe`-th step, so it comes back as soon as it is useful again. Sources the
+    user sized (the drafter's W) always keep their width.
+    """
+
+    def __init__(self, slots: list[Slot], adaptive: bool = False, min_gain: float = 0.15, decay: float = 0.8,
+                 probe: int = 8):
+        self.slots, self.adaptive = slots, adaptive
+        self.min_gain, self.decay, self.probe = min_gain, decay, probe
+        self.gain = {s.source.name: 1.0 for s in slots}
+        self.step = 0
+
+    def plan(self) -> list[Slot]:
+        """The slots of the next step (sources sitting out get width 0)."""
+        self.step += 1
+        if not self.adaptive or self.step % self.probe == 0:
+            return self.slots
+        return [Slot(s.source, 0) if s.source.optional and self.gain[s.source.name] < self.min_gain else s
+                for s in self.slots]
+
+    def update(self, runs: dict[str, int]) -> None:
+        """Record the drafts each proposing source's best candidate had accepted in the last step."""
+        for name, run in runs.items():
+            self.gain[name] = self.decay * self.gain[name] + (1 - self.decay) * run
+
+    @property
+    def sources(self) -> list[DraftSource]:
+        return [s.source for s in self.slots]
+
+    def candidate_budget(self, length: int) -> int:
+        """The most candidate tokens a step of `length` may verify (sizes the cache's scratch region)."""
+        return sum(s.width * s.source.candidate_length(length) for s in self.slots)
