@@ -216,7 +216,7 @@ def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_i
             more = len(run.emit.emitted) + 1 < max_tokens
             queued = ar_step(model, cache, g0, sampling, rng) if more else None
             mx.async_eval(g0 if queued is None else queued)
-            yield run.record([g0.item()], verified=1)
+            yield run.record([g0.item()])
             run.resume()
     finally:
         run.settle()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_redrafter.api import parse_drafter_spec
+from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.modes import CHOICES
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json, write_atomic
@@ -169,7 +170,7 @@ def resolve(model: str | None, drafter: str | None, flags: dict[str, Any], dtype
     entry = lookup(model, drafter) or {}
     tuned = {k: entry[k] for k in TUNED_FIELDS if k in entry and k not in given}
     notes = []
-    if tuned.get("draft") == "none" and any(k in given for k in DRAFTING_FLAGS):
+    if "draft" in tuned and not modes.get(tuned["draft"]).drafts and any(k in given for k in DRAFTING_FLAGS):
         del tuned["draft"]
         notes.append("the tuned settings say plain decoding is fastest here, but a drafting option was given: "
                      "drafting with --draft auto")

@@ -1,6 +1,8 @@
-"""After ReDrafter steps the committed KV cache is the one autoregressive decoding builds."""
+"""After ReDrafter steps the committed KV cache is the one autoregressive decoding builds; after any generation a
+cache passed in holds exactly history + prompt + every emitted token."""
 
 import mlx.core as mx
+import pytest
 
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import Allocator, Slot
@@ -68,3 +70,54 @@ def test_commit_copies_nothing_when_the_path_is_in_place():
     cache.commit(mx.array([0, 1, 3]), 2)  # the kept entries 0, 1 are where they belong
     assert cache.keys[0] is before and cache.offset == 4
     assert cache.committed(0)[0][0, 0].tolist() == [[0, 1], [2, 3], [100, 101], [102, 103]]
+
+
+# --- the cache after a generation, through the API ------------------------------------------------------------------
+def _holds_exactly(model, cache, tokens) -> bool:
+    """The cache's committed entries are those of one fresh prefill of `tokens` (fp32 summation-order noise aside)."""
+    fresh = model.make_cache(len(tokens) + 4)
+    model(mx.array([tokens]), fresh)
+    fresh.advance(len(tokens))
+    mx.eval(*fresh.state())
+    return cache.offset == len(tokens) and all(
+        mx.abs(cache.committed(i)[0] - fresh.committed(i)[0]).max().item() < 1e-3
+        for i in (0, model.args.num_hidden_layers - 1))
+
+
+@pytest.fixture(scope="module")
+def lm(target):
+    from mlx_redrafter import api
+
+    drafter, name = api.resolve_drafter("default", target)
+    return api.LoadedModel(target, drafter, name)
+
+
+@pytest.mark.parametrize("draft", ["none", "lookup-else-rnn", "rnn"])
+@pytest.mark.parametrize("ending", ["eos", "max_tokens", "closed", "interrupted"])
+def test_after_any_generation_the_cache_holds_history_prompt_and_every_emitted_token(lm, draft, ending):
+    from mlx_redrafter import api
+
+    model, tok = lm.target.model, lm.tokenizer
+    history = tok.encode_chat([{"role": "user", "content": "Hi!"}])
+    cache = model.make_cache(64)
+    model(mx.array([history]), cache)
+    cache.advance(len(history))
+    prompt = tok.encode("Hello! How can I help?<|im_end|>\n<|im_start|>user\nSay yes.<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    max_tokens = {"eos": 64, "max_tokens": 7}.get(ending, 64)
+    gen = api.stream_generate(lm, prompt, draft=draft, max_tokens=max_tokens, cache=cache, history=history)
+    emitted, stop = [], ""
+    try:
+        for r in gen:
+            emitted += r.tokens
+            stop = r.record.stop if r.record is not None else stop
+            if ending == "closed" and len(emitted) >= 3:
+                gen.close()
+                break
+            if ending == "interrupted" and len(emitted) >= 3:
+                gen.throw(KeyboardInterrupt)
+    except KeyboardInterrupt:
+        assert ending == "interrupted"
+    if ending in ("eos", "max_tokens"):
+        assert stop == ending
+    assert _holds_exactly(model, cache, history + prompt + emitted)

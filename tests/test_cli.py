@@ -42,7 +42,15 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--model", "no-such-alias"], ["unknown model"]),
         (["-p", "hi", "--drafter", "/nonexistent/drafter"], ["drafter", "does not exist"]),
         (["-p", "hi", "--draft", "lookup-else-rnn", "--drafter-vocab", "9000"], ["--drafter-vocab", "8192"]),
-        (["-p", "hi", "--lookup-max-length", "-1"], ["--lookup-max-length", ">= 0"]),
+        (["-p", "hi", "--lookup-max-length", "-1"], ["--lookup-max-length", "from 0 to 64"]),
+        (["-p", "hi", "--lookup-max-length", "1000000000"], ["--lookup-max-length", "from 0 to 64"]),
+        (["-p", "hi", "--temp", "nan"], ["--temp", "finite"]),
+        (["-p", "hi", "--top-p", "inf"], ["--top-p", "finite"]),
+        (["-p", "hi", "--seed", "-1"], ["--seed", "from 0"]),
+        (["-p", "hi", "-n", "-1"], ["--max-tokens", "from 1"]),
+        (["-p", "hi", "--no-draft", "--draft", "rnn"], ["--no-draft", "--draft rnn"]),
+        (["-p", "hi", "--drafter", "none", "--draft", "rnn"], ["--draft rnn needs", "none is loaded"]),
+        (["-p", "hi", "--drafter", "random:-3"], ["random:SEED"]),
     ],
 )
 def test_bad_arguments(args, needles):
@@ -92,3 +100,12 @@ def test_prompts_file_writes_one_json_per_line(tmp_path):
         assert row["generated_tokens"] == len(row["tokens"]) <= 12
         assert row["beam_width"] == 2 and row["beam_length"] == 3 and row["dtype"] == "float32"
         assert row["steps"] <= row["candidate_tokens"] <= 6 * row["steps"]  # adaptive: a failing source sits out
+
+
+def test_chat_has_the_missing_drafter_rule_of_generate():
+    """The same explicit mode without a drafter fails the same way in chat as in generate (not a silent fallback)."""
+    got = [run_cli(cmd, *args, "--drafter", "none", "--draft", "rnn+lookup")
+           for cmd, args in (("generate", ["-p", "hi"]), ("chat", []))]
+    for proc in got:
+        assert_one_line_error(proc, "--draft rnn+lookup needs a ReDrafter (rnn) drafter, but none is loaded")
+    assert got[0].stderr == got[1].stderr

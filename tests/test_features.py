@@ -160,8 +160,8 @@ def test_train_output_refuses_a_folder_that_is_not_a_drafter(tmp_path):
 
 def test_chunked_forward_equals_one_forward(target):
     """Feeding a long left-padded batch in chunks through one KV cache gives the states of one forward."""
+    from mlx_redrafter.train.batch import left_padded
     from mlx_redrafter.train.features import forward_chunked
-    from mlx_redrafter.train.greedy import left_padded
 
     rng = np.random.default_rng(0)
     tok, pos, mask, _ = left_padded([rng.integers(100, 40000, n).tolist() for n in (300, 170, 41)],

@@ -49,3 +49,43 @@ def test_wheel_installed_outside_the_checkout_works(tmp_path):
                           text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr[-2000:]
     run([py, "-m", "convert.from_torch", "--help"], cwd=work, env=env)
+
+
+def _imports(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports anywhere (lazy imports and TYPE_CHECKING blocks included)."""
+    import ast
+
+    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+             for pkg in packages for f in (root / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, f in files.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != mod and not mod.startswith(name + "."):
+                    graph[mod].add(name)
+    return graph
+
+
+def test_no_import_circles():
+    graph = _imports(ROOT, ("mlx_redrafter", "convert"))
+    done: set[str] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        if mod in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(mod):] + [mod]))
+        if mod in done:
+            return
+        for dep in sorted(graph[mod]):
+            visit(dep, path + [mod])
+        done.add(mod)
+
+    for mod in sorted(graph):
+        visit(mod, [])

@@ -30,18 +30,23 @@ def _generate(*flags: str) -> dict:
 
 
 def test_resolve_order(tuned_file):
-    """Flags beat the tuned entry, the tuned entry beats the built-in defaults; entries are per drafter."""
+    """Field by field: a flag beats the tuned entry, the tuned entry beats the built-in default; entries are per
+    drafter; a drafting flag where the entry says plain AR drafts (auto) and says so."""
     d = tuning.resolve(None, "random:0", NO_FLAGS, "auto")
     assert d.source == "default"
-    assert (d.options.beam_width, d.options.beam_length) == (DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH)
+    assert (d.options.shape.width, d.options.shape.length) == (DEFAULT_BEAM_WIDTH, DEFAULT_BEAM_LENGTH)
     tuning.store(None, "random:0", {"decision": "speculative", "draft": "rnn", "beam_width": 2, "beam_length": 4,
                                     "dtype": "float32"})
     d = tuning.resolve(None, "random:0", NO_FLAGS, "auto")
-    assert (d.options.draft, d.options.beam_width, d.options.beam_length, d.dtype, d.source) == (
+    assert (d.options.draft, d.options.shape.width, d.options.shape.length, d.dtype, d.source) == (
         "rnn", 2, 4, "float32", "tuned")
     d = tuning.resolve(None, "random:0", {**NO_FLAGS, "beam_width": 3}, "auto")
-    assert (d.options.beam_width, d.options.beam_length, d.source) == (3, DEFAULT_BEAM_LENGTH, "flags")
+    assert (d.options.draft, d.options.shape.width, d.options.shape.length) == ("rnn", 3, 4)  # the rest stays tuned
+    assert d.origin == {"draft": "tuned", "beam_width": "flag", "beam_length": "tuned"} and not d.notes
     assert tuning.resolve(None, "random:0", {**NO_FLAGS, "draft": "none"}, "auto").options.draft == "none"
+    tuning.store(None, "random:0", {"decision": "ar", "draft": "none", "dtype": "float32"})
+    d = tuning.resolve(None, "random:0", {**NO_FLAGS, "beam_width": 2}, "auto")
+    assert d.options.draft == "auto" and d.options.shape.width == 2 and "plain decoding" in d.notes[0]
     assert tuning.resolve(None, "random:1", NO_FLAGS, "auto").source == "default"  # another drafter
     assert tuning.resolve(None, "none", NO_FLAGS, "auto").source == "default"
 
@@ -86,8 +91,9 @@ def test_tune_then_generate_uses_decision(tuned_file):
         "rnn", "random:0", 2, 3, "tuned")
     assert out["steps"] > 0 and out["tokens"] == ar_tokens  # greedy fp32: speculative output equals AR
 
-    out = _generate("-w", "1", "-l", "2")  # explicit flags win over the tuned entry
-    assert (out["beam_width"], out["beam_length"], out["settings_source"]) == (1, 2, "flags")
+    out = _generate("-w", "1", "-l", "2")  # explicit flags win over the tuned entry, field by field
+    assert (out["draft"], out["beam_width"], out["beam_length"]) == ("rnn", 1, 2)
+    assert out["settings_origin"] == {"draft": "tuned", "beam_width": "flag", "beam_length": "flag"}
 
 
 def _cell(config: str, draft: str, tps: float, speedup: float, tok_s: float, dtype: str = "float32") -> dict:

@@ -103,7 +103,8 @@ def chat(
 
     res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
     custom = None if template == "own" else load_template_option(template)
-    typer.echo("loading model...", err=True)
+    if sys.stderr.isatty():
+        typer.echo("loading model...", err=True)
     lm = api.load(model, drafter if wants_drafter(res.options.draft) else "none", res.dtype)
     tok = lm.tokenizer
     if custom is not None:

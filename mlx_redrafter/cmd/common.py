@@ -147,12 +147,15 @@ def with_decode_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def resolve_options(model: str | None, drafter: str, dtype: str, flags: dict[str, Any], **given: Any):
-    """Decoding options for a command: its flags (and command-level options in `given`, e.g. max_tokens) over the
-    tuned entry over the defaults (`tuning.Resolved`)."""
+def resolve_options(model: str | None, drafter: str, dtype: str, flags: dict[str, Any], **command: Any):
+    """Decoding options for a command: its flags over the tuned entry over the defaults (`tuning.Resolved`), with
+    the command's own options (e.g. its max_tokens) applied on top."""
     from mlx_redrafter import tuning
 
-    return tuning.resolve(model, drafter, {**flags, **given}, dtype)
+    res = tuning.resolve(model, drafter, flags, dtype)
+    res.options = res.options.updated(**command)
+    res.options.check()
+    return res
 
 
 def decoding_notes(lm: Any, res: Any) -> list[str]:

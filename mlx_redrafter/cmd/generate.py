@@ -44,7 +44,8 @@ def generate(
         if as_json:
             out = api.generate(lm, p, res.options, chat=chat)
             typer.echo(json.dumps({"prompt": p, "text": out.text, "tokens": out.tokens, **out.settings,
-                                   **out.stats.as_dict(), "settings_source": res.source}))
+                                   **out.stats.as_dict(), "settings_source": res.source,
+                                   "settings_origin": res.origin}))
             continue
         stats = Stats()
         for r in api.stream_generate(lm, p, res.options, chat=chat):

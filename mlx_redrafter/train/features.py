@@ -29,8 +29,8 @@ import numpy as np
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model
+from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
-from mlx_redrafter.train.greedy import left_padded
 
 DEFAULT_CACHE = Path(".cache/features")
 TOP_K = 8  # labels kept per position: the target's k most likely next tokens
