@@ -62,10 +62,10 @@ def test_auto_and_a_missing_drafter_follow_the_rows(target, drafters):
     for kind in (None, "rnn", "medusa", "semi_ar"):
         assert resolve(AUTO, kind, "m", "d").auto_for == ((kind or "none"),)
     for mode in (m for m in MODES.values() if m.drafter):
-        with pytest.raises(UserError, match=f"needs a .* drafter, but none is loaded for m: pass --drafter DIR"):
+        with pytest.raises(UserError, match="needs a .* drafter, but none is loaded for m: pass --drafter DIR"):
             resolve(mode.name, None, "m", "d")
         other = next(k for k in ("rnn", "medusa", "semi_ar") if k != mode.drafter)
-        with pytest.raises(UserError, match=f"but d is a .* drafter"):
+        with pytest.raises(UserError, match="but d is a .* drafter"):
             resolve(mode.name, other, "m", "d")
 
 
