@@ -5,9 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import typer
 
 from mlx_redrafter.cmd import common as c
@@ -358,4 +355,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from mlx_redrafter import install_blas
+
+    install_blas()  # before any command imports mlx.core
     main()

@@ -17,9 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 
 from .report import save_report

@@ -2,7 +2,7 @@
 
 Per dtype and MT-bench prompt (first turns, spread over the categories, chat-formatted): our AR
 (`generate_ar`) and five speculative runs (`generate_speculative`: rnn with the shipped and a random drafter,
-lookup, rnn+lookup with each drafter), compared with `mlx_redrafter.agreement.compare` (the tie-aware rule).
+lookup, rnn+lookup with each drafter), compared with `bench.agreement.compare` (the tie-aware rule).
 The prompt minus its last token is prefilled once; every run continues a copy of that cache, so all runs see
 the same committed prompt keys and values.
 
@@ -25,12 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 
-from mlx_redrafter.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, dtype_name, tie_bound
+from bench.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, dtype_name, tie_bound
 from mlx_redrafter.files import write_atomic
 
 OUT_DIR = Path(__file__).resolve().parent / "results" / "cpu" / "dtype-agreement"
@@ -324,9 +321,9 @@ def markdown(summaries: list[dict[str, Any]], machine: dict[str, Any]) -> str:
              f"{machine['busy'] or 'none'}. Each dtype's run records its own state (`machine_state` in "
              "agreement-<dtype>.json): the CPU was shared with other jobs (a niced data job, other agents' tests), "
              "so seconds are for ratios only; token agreement does not depend on load.", "",
-             "Rule (`mlx_redrafter.agreement`): at the first token where a speculative output differs from AR of "
+             "Rule (`bench/agreement.py`): at the first token where a speculative output differs from AR of "
              "the same dtype, the AR path's top-2 logit gap (one full forward over prompt + common prefix) is "
-             "compared with `TIE_FACTOR * EPSILON * max|logit|` (float32: the absolute 1e-4 of DESIGN §4); "
+             "compared with `TIE_FACTOR * EPSILON * max|logit|` (float32: an absolute 1e-4); "
              "EPSILON is the activation dtype's unit roundoff (quantized weights run float16 activations). "
              "Bound: the dtype's top-2 difference strays from the same weights computed in float32 by at most D "
              "(measured below, units of EPSILON * max|logit|); two computation orders in the dtype (a packed "

@@ -17,9 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 import numpy as np
 

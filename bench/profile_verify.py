@@ -1,6 +1,7 @@
 """Where a verification step's time goes: one target forward over N new tokens, taken apart by ablation.
 
-The forward is rebuilt here from the model's own modules with switches: each component (projection matmuls,
+The forward is rebuilt here from the model's own modules and methods (`Model.embed`, `Model.rope`, each layer's
+projections, `Model.logits`) with switches: each component (projection matmuls,
 vocabulary projection, attention, RoPE, KV writes, norms and residual adds) is replaced by a stand-in that
 costs nothing, and its share is the full forward's median time minus the ablated one's, over interleaved
 repeats. Graph building (Python) is timed without evaluating. One thread count, context 200, N = 1..16.
@@ -25,8 +26,7 @@ def forward(m: Model, tokens: mx.array, cache, positions: mx.array, mask: mx.arr
     """Model.__call__ with components switched off (a stand-in of the same shape, no real work)."""
     B, N = tokens.shape
     x = m.embed(tokens)
-    theta = positions.astype(mx.float32)[..., None] * m._inv_freq
-    cos, sin = mx.cos(theta)[:, :, None, :], mx.sin(theta)[:, :, None, :]
+    cos, sin = m.rope(positions, x.dtype)
     for i, layer in enumerate(m.model.layers):
         a = layer.self_attn
         h = x if "norms" in skip else layer.input_layernorm(x)

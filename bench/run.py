@@ -161,10 +161,9 @@ def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = Tr
                      "prompts": [{"id": sweep.prompt_id(p, i), "category": p.get("category", "")}
                                  for i, p in enumerate(prompts)]},
         "quiet": all(s["quiet"] for s in states), "machine_state": states,
-        "speedup_definition": "mean over prompts of (decode tokens/s) / (our AR decode tokens/s, same prompt, dtype "
-                              "and temperature); decode excludes prefill and the first token; speedup_vs_ar_median: "
-                              "their median; speedup_vs_ar_pooled: our AR's time for the same tokens over the "
-                              "config's, all prompts together",
+        "speedup_definition": "pooled: our AR's decode time for the same tokens over the config's, all prompts "
+                              "together (same dtype and temperature); decode excludes prefill and the first token; "
+                              "speedup_vs_ar_mean / _median / _min / _max: over the per-prompt ratios",
         "summary": summary, "best": list(best.values()),
     }
     if spec.profile and best:

@@ -8,9 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 
 from mlx_redrafter.errors import UserError

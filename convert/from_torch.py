@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 import typer
 

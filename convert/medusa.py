@@ -14,9 +14,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 
 from convert.checkpoint import check_out_dir, default_out, find_checkpoint, pick_dtype, read_config, read_tensors

@@ -25,9 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 import typer
 

@@ -25,7 +25,7 @@ class Accepted:
     path: mx.array  # (>= n+1,) packed indices of the root and the accepted drafts, in order
     next_token: mx.array  # (1,) the target's token after them (the next step's first token)
     stop: mx.array  # () packed index of the last accepted token (its hidden state conditions the next draft)
-    runs: mx.array  # (n_candidates,) accepted drafts along each candidate (for per-source statistics)
+    matched: mx.array  # (n_candidates,) accepted drafts along each candidate (for per-source statistics)
 
 
 def accept_greedy(cands: mx.array, tree: PackedTree, logits: mx.array) -> Accepted:
@@ -38,7 +38,7 @@ def accept_greedy(cands: mx.array, tree: PackedTree, logits: mx.array) -> Accept
     n = runs[best]
     path = tree.unpacker[best]
     stop = path[n]
-    return Accepted(n=n, path=path, next_token=top[stop][None], stop=stop, runs=runs)
+    return Accepted(n=n, path=path, next_token=top[stop][None], stop=stop, matched=runs)
 
 
 def _walk(tree: PackedTree, cands: mx.array, accepted: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -82,7 +82,7 @@ def accept_exact(cands: mx.array, tree: PackedTree, node_p: mx.array, key: mx.ar
     tried = mx.zeros(p.shape, dtype=mx.float32).at[tree.tokens].add(children.astype(mx.float32)) > 0
     rest = mx.where(tried, 0.0, p)
     rest = mx.where(rest.sum() > 0, rest, p)  # rounding guard: the residual of a fully covered p
-    return Accepted(n=n, path=path, next_token=sample(rest / rest.sum(), k_s)[None], stop=stop, runs=runs)
+    return Accepted(n=n, path=path, next_token=sample(rest / rest.sum(), k_s)[None], stop=stop, matched=runs)
 
 
 def accept_typical(cands: mx.array, tree: PackedTree, node_p: mx.array, s: Sampling, key: mx.array) -> Accepted:
@@ -99,7 +99,7 @@ def accept_typical(cands: mx.array, tree: PackedTree, node_p: mx.array, s: Sampl
     n = runs[best]
     path = tree.unpacker[best]
     stop = path[n]
-    return Accepted(n=n, path=path, next_token=sample(node_p[stop], key)[None], stop=stop, runs=runs)
+    return Accepted(n=n, path=path, next_token=sample(node_p[stop], key)[None], stop=stop, matched=runs)
 
 
 def accept(cands: mx.array, tree: PackedTree, logits: mx.array, s: Sampling, key: mx.array | None) -> Accepted:

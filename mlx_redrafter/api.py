@@ -94,9 +94,9 @@ def parse_drafter_spec(spec: str | None) -> DrafterSpec:
                             exit_dim=int(parts[2]) if len(parts) > 2 else None)
         except ValueError:
             d = None
-        if d is None or len(parts) > 3 or not 0 <= d.seed < 1 << 63 or not 1 <= (d.exit_dim or 1) <= 1 << 16:
-            raise UserError(f"bad drafter spec {spec!r}: use random:SEED or random:SEED:EXIT_DIM (SEED >= 0, "
-                            f"1 <= EXIT_DIM <= 65536)")
+        if d is None or len(parts) > 3 or not 0 <= d.seed < 1 << 63:
+            raise UserError(f"bad drafter spec {spec!r}: use random:SEED or random:SEED:EXIT_DIM (integers, "
+                            f"SEED >= 0)")
         return d
     return DrafterSpec("path", path=spec)
 

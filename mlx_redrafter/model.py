@@ -282,6 +282,12 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def rope(self, positions: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """(cos, sin) of the rotary angles at token positions (B, N), each (B, N, 1, D/2): every layer rotates by
+        the same per-token angles (position scaling and frequency scaling included)."""
+        theta = (positions.astype(mx.float32) * self._position_scale)[..., None] * self._inv_freq  # (B, N, D/2)
+        return mx.cos(theta)[:, :, None, :].astype(dtype), mx.sin(theta)[:, :, None, :].astype(dtype)
+
     def __call__(
         self,
         tokens: mx.array,  # (B, N) int
@@ -296,10 +302,9 @@ class Model(nn.Module):
         if mask is None and N > 1:
             mask = causal_mask(N, cache.offset)
         x = self.embed(tokens)
-        theta = (positions.astype(mx.float32) * self._position_scale)[..., None] * self._inv_freq  # (B, N, D/2)
-        rope = (mx.cos(theta)[:, :, None, :].astype(x.dtype), mx.sin(theta)[:, :, None, :].astype(x.dtype))
+        rope = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, cache, i)  # every layer rotates by the same per-token angles
+            x = layer(x, rope, mask, cache, i)
         hidden = self.model.norm(x)  # (B, N, H) post-norm: what the drafter consumes
         return self.logits(hidden[:, -1:] if last_only else hidden), hidden
 

@@ -78,13 +78,13 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     h = hidden[0, acc.stop][None]
     drafted = tree.tokens[acc.path]
     n_real = (cands >= 0).sum()
-    mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.runs, n_real)
+    mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.matched, n_real)
     clock.lap("accept", unprofiled="verify")
     n = acc.n.item()
     cache.commit(acc.path, n + 1)  # commit (a copy only if the path is not in place; lazy)
     clock.lap("commit", *cache.state())
     tokens = drafted[1 : n + 1].tolist() + acc.next_token.tolist()
-    runs = proposal.by_source(acc.runs.tolist())
+    runs = proposal.by_source(acc.matched.tolist())
     return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
                       candidates=n_real.item(), runs=runs, proposed=proposal.proposed(),
                       seconds=clock.seconds)

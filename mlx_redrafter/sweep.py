@@ -268,9 +268,11 @@ def pooled_speedup(rs: list[dict[str, Any]]) -> float:
 
 
 def summarize(rows: list[dict[str, Any]], extra_means: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """One record per (dtype, configuration) from the rows' median repeats: means over prompts (a speedup is the
-    mean of per-prompt ratios), per-step costs pooled over prompts, `decode_spread` the mean (max - min) / median
-    of the repeats, and `equal_ar` the share of prompts whose ids equal AR's."""
+    """One record per (dtype, configuration) from the rows' median repeats: the speedup over AR pooled over the
+    prompts (`pooled_speedup`: what a user waiting on the whole workload sees) with the per-prompt ratios' mean,
+    median, min and max beside it, other rates as means over prompts, per-step costs pooled over prompts,
+    `decode_spread` the mean (max - min) / median of the repeats, and `equal_ar` the share of prompts whose ids
+    equal AR's."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["dtype"], r["config"]), []).append(r)
@@ -292,9 +294,11 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
         "prompts": len(rs), "tokens_per_step": _mean([r["tokens_per_step"] for r in rs]),
         "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in rs]),
         "ar_decode_tokens_per_s": _mean([r["ar_decode_tokens_per_s"] for r in rs]),
-        "speedup_vs_ar": _mean([r["speedup_vs_ar"] for r in rs]),
+        "speedup_vs_ar": pooled_speedup(rs),
+        "speedup_vs_ar_mean": _mean([r["speedup_vs_ar"] for r in rs]),
         "speedup_vs_ar_median": statistics.median([float(r["speedup_vs_ar"]) for r in rs]),
-        "speedup_vs_ar_pooled": pooled_speedup(rs),
+        "speedup_vs_ar_min": min(float(r["speedup_vs_ar"]) for r in rs),
+        "speedup_vs_ar_max": max(float(r["speedup_vs_ar"]) for r in rs),
         **{k: _mean([r[k] for r in rs]) for k in extra_means},
         "equal_ar": sum(bool(r["equal_ar"]) for r in rs) / len(rs),
         "match_ar": _mean([r["match_ar"] for r in rs]),
@@ -314,20 +318,20 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
 
 def is_cell(s: dict[str, Any]) -> bool:
     """A speculative configuration of ours (not AR, not an external baseline)."""
-    return s["decoder"] == "ours" and s["draft"] != "none"
+    return s["decoder"] == "ours" and MODES[s["draft"]].drafts
 
 
 def cell_width(s: dict[str, Any]) -> int:
-    """A cell's width as the grid names it: W for the modes with rnn and for semi_ar, the lookup width for lookup, the
-    number of tree nodes for medusa."""
-    if s["draft"] == "medusa":
+    """A cell's width as the grid names it (`Mode.width`): W of a drafter, the lookup width, or tree nodes."""
+    option = MODES[s["draft"]].width
+    if option == "medusa_tree":
         tree = str(s.get("medusa_tree", ""))
         return int(tree.rsplit(":", 1)[1]) if ":" in tree else 0
-    return s["beam_width"] if "rnn" in s["draft"] or s["draft"] == "semi_ar" else s["lookup_width"]
+    return s[option] if option else 0
 
 
 def best_cells(summary: list[dict[str, Any]], key: Callable[[dict], tuple] | None = None) -> dict[tuple, dict]:
-    """The speculative configuration with the highest mean speedup over AR per group (default: per draft mode,
+    """The speculative configuration with the highest (pooled) speedup over AR per group (default: per draft mode,
     dtype, temperature and acceptance rule)."""
     key = key or (lambda s: (s["draft"], s["dtype"], s["temperature"], s["accept"]))
     best: dict[tuple, dict] = {}
@@ -353,7 +357,7 @@ def decide(summary: list[dict[str, Any]], min_speedup: float = TUNE_MIN_SPEEDUP,
     per_dtype = best_cells(eligible, key=lambda s: (s["dtype"],))
     runner_up = best_cells(summary, key=lambda s: (s["dtype"],))
     options = []
-    for ar in (s for s in summary if s["decoder"] == "ours" and s["draft"] == "none"):
+    for ar in (s for s in summary if s["decoder"] == "ours" and not MODES[s["draft"]].drafts):
         cell = per_dtype.get((ar["dtype"],))
         if cell is not None:  # settings report 0 for a width the draft mode does not use: leave those out
             shape = {k: cell[k] for k in ("beam_width", "beam_length", "lookup_width") if cell[k] > 0}

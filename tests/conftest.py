@@ -4,7 +4,10 @@ import os
 
 import pytest
 
-import mlx_redrafter  # noqa: F401  (loads the optimized BLAS before mlx.core)
+from mlx_redrafter import install_blas
+
+install_blas()  # as every entry point does: before any test module imports mlx.core
+
 
 # Benchmarks wait up to 90 s for a load average left by finished work to decay; inside the suite the work that
 # left it is this very process's earlier tests, so never wait (test_sweep_guard checks the guard itself).

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from mlx_redrafter.agreement import FP32_TIE, compare
+from bench.agreement import FP32_TIE, compare
 from mlx_redrafter.draft.base import Allocator
 from mlx_redrafter.generate import Stats, collect, generate_ar, generate_speculative
 
-TIE = FP32_TIE  # DESIGN §4: a fp32 divergence is tolerated only on a numerical tie of the AR path (1e-4)
+TIE = FP32_TIE  # a fp32 divergence is tolerated only on a numerical tie of the AR path (top-2 gap < 1e-4)
 
 
 def ar_tokens(model, prompt: list[int], max_tokens: int, eos_ids: list[int]) -> list[int]:
@@ -21,6 +21,6 @@ def speculative_tokens(model, prompt: list[int], allocator: Allocator, length: i
 
 def divergence(model, prompt: list[int], ar: list[int], got: list[int]) -> str | None:
     """None if equal (or a proven tie explains the first difference), else a message. The rule lives in
-    `mlx_redrafter.agreement` (float32: AR top-2 gap below TIE; float16 / bfloat16 / quantized: a measured
+    `bench.agreement` (float32: AR top-2 gap below TIE; float16 / bfloat16 / quantized: a measured
     multiple of the dtype's rounding)."""
     return compare(model, prompt, ar, got).problem()

@@ -26,7 +26,7 @@ def logits_for(cands, target_next):
 def greedy(cands, target_next):
     tree, logits = logits_for(cands, target_next)
     acc = accept_greedy(mx.array(cands), tree, logits)
-    return acc.runs.tolist(), acc.n.item(), acc.next_token.item()
+    return acc.matched.tolist(), acc.n.item(), acc.next_token.item()
 
 
 def test_longest_accepted_prefix_wins():
@@ -79,7 +79,7 @@ def test_typical_acceptance_takes_the_longest_plausible_prefix():
     tree = pack(cands)
     node_p = probs_for(tree, {0: {1: 0.5, 3: 0.4}, 1: {2: 0.01}, 3: {4: 0.9}})
     acc = accept_typical(cands, tree, node_p, Sampling(temperature=1.0, accept="typical"), mx.random.key(0))
-    assert acc.runs.tolist() == [1, 2] and acc.n.item() == 2
+    assert acc.matched.tolist() == [1, 2] and acc.n.item() == 2
 
 
 def test_eos_inside_accepted_run_stops_emission():

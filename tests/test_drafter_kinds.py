@@ -11,7 +11,7 @@ from exactness import ar_tokens, divergence, speculative_tokens
 from typer.testing import CliRunner
 
 from mlx_redrafter import api
-from mlx_redrafter.cmd.main import app
+from mlx_redrafter.cmd.app import app
 from mlx_redrafter.draft.base import Allocator, DecodeState, Slot
 from mlx_redrafter.draft.kinds import draft_kind, load_any_drafter
 from mlx_redrafter.draft.medusa import MedusaArgs, MedusaHeads, MedusaSource, random_medusa

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 
-import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np

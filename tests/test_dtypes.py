@@ -1,5 +1,5 @@
 """float16, bfloat16 and quantized: greedy speculative output agrees with AR of the same dtype (tie-aware rule,
-`mlx_redrafter.agreement`), and our quantized model matches mlx-lm's on the same packed weights.
+`bench.agreement`), and our quantized model matches mlx-lm's on the same packed weights.
 
 These dtypes are slow on MLX's CPU backend (no BLAS: float16 ~10x, quantized with its float16 activations ~40x
 slower than float32; the 49152 x 576 head alone costs ~1 s per token row when quantized). So the tests run the
@@ -12,14 +12,11 @@ calibration of the tie bound) is the offline report `python -m bench dtype-agree
 
 from __future__ import annotations
 
-import mlx_redrafter  # noqa: F401, I001  (loads the optimized BLAS before mlx.core)
-
-# isort: split
 import mlx.core as mx
 import pytest
 
+from bench.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, load_first_layers, tie_bound
 from mlx_redrafter import api
-from mlx_redrafter.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, load_first_layers, tie_bound
 from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats, collect
 
@@ -92,7 +89,7 @@ def test_speculative_agrees_with_ar(setups, dtype, draft, drafter, rnn_width, lo
 
 
 def test_tie_bound_per_dtype():
-    """float32 keeps DESIGN §4's absolute 1e-4; low precision scales with the unit roundoff and the logits."""
+    """float32 keeps an absolute 1e-4; low precision scales with the unit roundoff and the logits."""
     assert tie_bound("float32", 30.0) == FP32_TIE == 1e-4
     for dtype in ("float16", "bfloat16"):
         assert tie_bound(dtype, 20.0) == pytest.approx(TIE_FACTOR[dtype] * EPSILON[dtype] * 20.0)

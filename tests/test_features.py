@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mlx_redrafter.cmd.main import app
+from mlx_redrafter.cmd.app import app
 from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
 from mlx_redrafter.train.distill import grow
 from mlx_redrafter.train.features import TOP_K, ensure, feature_paths, load_features, teacher_forced

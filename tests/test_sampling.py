@@ -136,7 +136,7 @@ def biased_rule(cands, tree, node_p, key):
     cond = mx.random.uniform(shape=(tree.size,), key=k_u) < pc
     accepted = cond & ~(sib_before & cond[None, :]).any(axis=1)
     stop, n, path, runs = _walk(tree, cands, accepted)
-    return Accepted(n=n, path=path, next_token=sample(node_p[stop], k_s)[None], stop=stop, runs=runs)
+    return Accepted(n=n, path=path, next_token=sample(node_p[stop], k_s)[None], stop=stop, matched=runs)
 
 
 @pytest.fixture(scope="module")

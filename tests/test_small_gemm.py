@@ -2,6 +2,7 @@
 of rows, and the BLAS for everything else."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -9,13 +10,26 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_redrafter.system.blas import small_gemm_calls, small_gemm_disabled
+from mlx_redrafter.system.blas import _cpu_has_kernel_features, small_gemm_calls, small_gemm_disabled, status
+
+# Where the kernel is built for (x86-64 Linux with AVX-512 or AVX2 + FMA, switch on), its absence is a failure.
+EXPECTED = (sys.platform == "linux" and platform.machine() == "x86_64" and _cpu_has_kernel_features()
+            and os.environ.get("REDRAFTER_SMALL_GEMM", "auto").lower() not in ("off", "0", "none", "false"))
 
 
 def have_path() -> bool:
+    """Whether products run through the kernel; fails where it is expected and absent, else False."""
     before = small_gemm_calls()
     mx.eval(mx.ones((1, 576)) @ mx.ones((1536, 576)).T)
-    return small_gemm_calls()[0] > before[0]
+    active = small_gemm_calls()[0] > before[0]
+    if EXPECTED and not active:
+        pytest.fail(f"the small-GEMM kernel is not active on a machine it is built for: {status().problem} "
+                    f"(make setup rebuilds it)")
+    return active
+
+
+def test_the_kernel_is_active_where_it_is_expected():
+    assert have_path() or not EXPECTED
 
 
 def test_products_match_float64():
@@ -65,12 +79,11 @@ def test_a_decode_step_uses_it(target):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload exists only on Linux")
-def test_importing_mlx_first_warns_in_one_line():
+def test_installing_after_mlx_was_imported_warns_in_one_line():
     def stderr(code: str) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "REDRAFTER_BLAS"}
+        env = {k: v for k, v in os.environ.items() if k not in ("REDRAFTER_BLAS", "REDRAFTER_SMALL_GEMM")}
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stderr
 
-    late = stderr("import mlx.core, mlx_redrafter").splitlines()
-    assert len(late) == 1 and "mlx.core was imported before mlx_redrafter" in late[0], late
-    assert "import mlx_redrafter first" in late[0]
-    assert stderr("import mlx_redrafter, mlx.core") == ""
+    late = stderr("import mlx.core, mlx_redrafter; mlx_redrafter.install_blas()").splitlines()
+    assert len(late) == 1 and "mlx.core was imported before mlx_redrafter.install_blas()" in late[0], late
+    assert stderr("import mlx_redrafter; mlx_redrafter.install_blas(); import mlx.core") == ""

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from mlx_redrafter import sweep
 from mlx_redrafter.api import LoadedModel
-from mlx_redrafter.cmd.main import app
+from mlx_redrafter.cmd.app import app
 
 
 @pytest.fixture()

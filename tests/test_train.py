@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mlx_redrafter.cmd.main import app
+from mlx_redrafter.cmd.app import app
 from mlx_redrafter.draft.redrafter import load_drafter, random_drafter, save_drafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.train.corpus import Corpus, load_shard

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlx_redrafter import tuning
-from mlx_redrafter.cmd.main import app
+from mlx_redrafter.cmd.app import app
 from mlx_redrafter.defaults import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH
 from mlx_redrafter.sweep import decide
 

@@ -1,4 +1,5 @@
-"""`redrafter-mlx`: the command-line entry point (one typer app; each command lives in its own module)."""
+"""`redrafter-mlx`: the command-line entry point. It installs the optimized BLAS before any command imports
+mlx.core, then runs the app (cmd/app.py)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,16 @@ import sys
 
 import typer
 
-from mlx_redrafter.cmd.chat import chat
-from mlx_redrafter.cmd.common import run_app
-from mlx_redrafter.cmd.generate import generate
-from mlx_redrafter.cmd.quantize import quantize
-from mlx_redrafter.cmd.train import answers, distill, eval_drafter, features, train
-from mlx_redrafter.cmd.tune import tune
+from mlx_redrafter import install_blas
 from mlx_redrafter.errors import UserError
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Exact speculative decoding (ReDrafter + lookup drafting) in pure MLX.")
-app.command()(generate)
-app.command()(chat)
-app.command()(tune)
-app.command()(distill)
-app.command()(features)
-app.command()(answers)
-app.command()(train)
-app.command("eval-drafter")(eval_drafter)
-app.command()(quantize)
 
 
 def main() -> None:
     """Console entry point: usage errors and bad input end with one `error:` line and status 2."""
+    install_blas()
+    from mlx_redrafter.cmd.app import app
+    from mlx_redrafter.cmd.common import run_app
+
     try:
         sys.exit(run_app(app, None, "redrafter-mlx"))
     except UserError as e:  # safety net for errors raised outside a command's own handler

@@ -30,7 +30,7 @@ MC_SIM_7B_63: tuple[TreePath, ...] = (
 )
 
 # The tree for a 2-core CPU: the first 7 nodes of MC_SIM_7B_63, i.e. Medusa's own greedy construction stopped at
-# 7 drafted nodes + g0 = 8 verified tokens. The verify cost curve (DESIGN.md §5: N=4 1.72x one token, N=8 2.17x,
+# 7 drafted nodes + g0 = 8 verified tokens. The verify cost curve measured on this CPU (N=4 1.72x one token, N=8 2.17x,
 # N=12 2.68x, N=16 2.76x) makes every node past the first three cost ~0.11-0.13x of a step up to N=12; a node
 # pays only while its acceptance probability exceeds (tokens per step) x (marginal cost / step cost), ~0.1 here,
 # which Medusa's ranking puts at about its 7th node for a well-trained head (head 0 top-1 ~0.6, top-2/3 ~0.1).

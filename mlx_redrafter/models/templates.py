@@ -52,11 +52,6 @@ BUILTIN = {"vicuna": VICUNA, "chatml": CHATML}
 TEMPLATE_CHOICES = ("own", *BUILTIN, "FILE.jinja")
 
 
-def builtin_name(template: str | None) -> str | None:
-    """The built-in name of a template text, if it is one."""
-    return next((k for k, v in BUILTIN.items() if v == template), None)
-
-
 def pick_template(own: str | None, kind: str | None = None, name_hint: str = "") -> tuple[str | None, str]:
     """(template text, description) for a model.
 

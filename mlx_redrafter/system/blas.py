@@ -1,4 +1,4 @@
-"""Optimized BLAS for MLX's Linux CPU wheel.
+"""Optimized BLAS for MLX's Linux CPU wheel, installed explicitly by entry points (`install`).
 
 The `mlx[cpu]` wheel links a slow reference BLAS. Loading Intel MKL (PyPI `mkl`) or OpenBLAS with
 RTLD_GLOBAL before `mlx.core` is imported makes MLX's cblas calls resolve to the fast library.
@@ -6,7 +6,13 @@ Switch: REDRAFTER_BLAS=auto (default) | mkl | openblas | off.
 
 On x86-64 with AVX-512 or AVX2 + FMA a small library of ours (csrc/smallgemm.c, built at install) is loaded first: its
 cblas_sgemm computes the products of few rows (decode and verification steps) by streaming each weight once,
-and hands everything else to the BLAS. Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
+and hands everything else to the BLAS (MLX's bundled one when REDRAFTER_BLAS=off).
+Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
+
+Importing this package changes nothing: the command line, the benchmark and the tests call `install()` before
+anything imports mlx.core; a Python program does the same (`mlx_redrafter.install_blas()`). `install` checks a
+tiny product of each path against numpy and says in one line on stderr when the kernel was expected on this
+machine but is not active.
 """
 
 from __future__ import annotations
@@ -18,10 +24,34 @@ import platform
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 _loaded: str | None = None
 _handle: ctypes.CDLL | None = None
 _small: ctypes.CDLL | None = None
+_OFF = ("off", "0", "none", "false")
+
+
+@dataclass
+class BlasStatus:
+    """What `install` did: the BLAS MLX uses, whether the small-GEMM kernel is active, and why not if it was
+    expected (x86-64 Linux with AVX-512 or AVX2 + FMA, switch not off)."""
+
+    installed: bool = False
+    blas: str = "mlx-default"  # the library's file name, or mlx-default (the wheel's reference BLAS)
+    small_gemm: bool = False
+    small_gemm_expected: bool = False
+    problem: str = ""  # why an expected piece is missing, or what the self-check found
+
+    def describe(self) -> str:
+        """E.g. 'libmkl_rt.so.2+smallgemm'."""
+        return self.blas + ("+smallgemm" if self.small_gemm else "")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_status = BlasStatus()
 
 
 def _small_gemm_path() -> str | None:
@@ -39,20 +69,30 @@ def _env_threads() -> int:
     return os.cpu_count() or 1
 
 
-def _load_small_gemm() -> None:
-    """Load the small-product library ahead of the BLAS (x86-64 Linux; silently skipped when unavailable)."""
+def _cpu_has_kernel_features() -> bool:
+    """AVX-512F, or AVX2 and FMA (what the kernel is built for), by /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512f" in flags or {"avx2", "fma"} <= set(flags)
+
+
+def _load_small_gemm() -> str:
+    """Load the small-product library ahead of the BLAS (x86-64 Linux); returns why it is not loaded ('' if it is)."""
     global _small
-    if os.environ.get("REDRAFTER_SMALL_GEMM", "auto").lower() in ("off", "0", "none", "false"):
-        return
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return
     path = _small_gemm_path()
     if path is None:
-        return
+        return "its library (mlx_redrafter/system/_smallgemm*.so) is not built"
+    if not os.path.exists(path):
+        return f"its library {path} does not exist"
     try:
         _small = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError:
+    except OSError as e:
         _small = None
+        return f"its library {path} does not load ({e})"
+    return ""
 
 
 def _mkl_candidates() -> list[str]:
@@ -67,37 +107,80 @@ def _openblas_candidates() -> list[str]:
     return ["libopenblas.so.0", "libopenblas.so"]
 
 
-def load_optimized_blas() -> str | None:
-    """Preload an optimized BLAS on Linux before MLX starts; return the library loaded (or None)."""
-    global _loaded, _handle
-    if _loaded is not None:
-        return _loaded
-    choice = os.environ.get("REDRAFTER_BLAS", "auto").lower()
-    if choice in ("off", "0", "none", "false") or platform.system() != "Linux":
-        return None
+def install() -> BlasStatus:
+    """Load the optimized BLAS and the small-GEMM kernel (per the switches) before MLX starts, check them on a
+    tiny product, and return what is in use. Idempotent; call it before anything imports mlx.core."""
+    global _status
+    if _status.installed:
+        return _status
+    st = BlasStatus(installed=True)
+    if platform.system() != "Linux":
+        _status = st
+        return st
     if "mlx.core" in sys.modules:  # too late: MLX's BLAS symbols are already bound
-        sys.stderr.write("redrafter-mlx: warning: mlx.core was imported before mlx_redrafter, so MLX keeps the "
-                         "reference BLAS of its Linux wheel (decoding runs 3-15x slower); import mlx_redrafter "
-                         "first (REDRAFTER_BLAS=off silences this)\n")
-        return None
-    _load_small_gemm()
+        st.problem = "mlx.core was imported before the BLAS was installed"
+        sys.stderr.write("warning: mlx.core was imported before mlx_redrafter.install_blas(), so MLX keeps the "
+                         "reference BLAS of its Linux wheel (decoding runs 3-15x slower); call install_blas() "
+                         "first (REDRAFTER_BLAS=off REDRAFTER_SMALL_GEMM=off silences this)\n")
+        _status = st
+        return st
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    if os.environ.get("REDRAFTER_SMALL_GEMM", "auto").lower() not in _OFF and x86:
+        st.small_gemm_expected = _cpu_has_kernel_features()
+        missing = _load_small_gemm()
+        if missing and st.small_gemm_expected:
+            st.problem = f"the small-GEMM kernel is not active: {missing}"
+    choice = os.environ.get("REDRAFTER_BLAS", "auto").lower()
     order = {"auto": ["mkl", "openblas"], "mkl": ["mkl"], "openblas": ["openblas"]}.get(choice, [])
     for kind in order:
+        paths = _mkl_candidates() if kind == "mkl" else _openblas_candidates()
         if kind == "mkl":
             os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
-            paths = _mkl_candidates()
-        else:
-            paths = _openblas_candidates()
-        for path in paths:
-            try:
-                _handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                continue
-            _loaded = os.path.basename(path)
-            _small_falls_back_to(_handle)
-            return _loaded
-    _bundled_fallback()
-    return None
+        if _load_blas(paths):
+            break
+    if _handle is None:
+        _bundled_fallback()
+    st.blas, st.small_gemm = _loaded or "mlx-default", _small is not None
+    _self_check(st)
+    if st.problem:
+        fix = ("rebuild it with `make setup` (or `pip install -e .`), or set REDRAFTER_SMALL_GEMM=off to silence this"
+               if "small-GEMM" in st.problem else "")
+        sys.stderr.write(f"warning: {st.problem}: one-token decoding steps run slower; {fix}\n")
+    _status = st
+    return st
+
+
+def _load_blas(paths: list[str]) -> bool:
+    global _loaded, _handle
+    for path in paths:
+        try:
+            _handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        _loaded = os.path.basename(path)
+        _small_falls_back_to(_handle)
+        return True
+    return False
+
+
+def _self_check(st: BlasStatus) -> None:
+    """A few-row product (the kernel's) and a larger one (the BLAS's) against numpy; a kernel that gets one wrong
+    is switched off."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 64), dtype=np.float32)
+    for rows in (2, 64):
+        x = rng.standard_normal((rows, 64), dtype=np.float32)
+        got = np.array(mx.array(x) @ mx.array(w).T)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        if not np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max():
+            if _small is not None:
+                _small.redrafter_gemm_enable(ctypes.c_int(0))
+                st.small_gemm = False
+            st.problem = f"a {rows}-row float32 product through {st.describe()} disagrees with numpy"
+            return
 
 
 def _small_falls_back_to(blas: ctypes.CDLL) -> None:
@@ -137,9 +220,14 @@ def set_threads(n: int) -> bool:
     return False
 
 
+def status() -> BlasStatus:
+    """What `install` did in this process (installed=False before it ran)."""
+    return _status
+
+
 def blas_name() -> str:
-    """Name of the BLAS MLX uses in this process (for reports)."""
-    return (_loaded or "mlx-default") + ("+smallgemm" if _small is not None else "")
+    """Name of the BLAS MLX uses in this process (for reports), e.g. 'libmkl_rt.so.2+smallgemm'."""
+    return _status.describe()
 
 
 @contextmanager

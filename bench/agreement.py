@@ -3,11 +3,11 @@
 Greedy speculative decoding decides every token with the target's argmax, like AR decoding, but a packed
 verification block sums in another order than a one-token step. In float32 the two agree to ~1e-6 and the
 outputs are identical; in float16 / bfloat16 (and with quantized weights, whose activations are float16) a
-near-tie of the top-2 logits may flip. The rule (DESIGN §4): at the first differing token, take the AR path's
+near-tie of the top-2 logits may flip. The rule: at the first differing token, take the AR path's
 top-2 logit gap (one full forward of the same model over prompt + common prefix) and call the divergence real
 only where the gap exceeds what the dtype's rounding explains:
 
-    bound(dtype) = TIE_FACTOR[dtype] * EPSILON[dtype] * max |logit|     (float32: the absolute 1e-4 of §4)
+    bound(dtype) = TIE_FACTOR[dtype] * EPSILON[dtype] * max |logit|     (float32: an absolute 1e-4)
 
 EPSILON is the unit roundoff of the activation dtype. TIE_FACTOR is measured, not guessed (`python -m bench
 dtype-agreement`, bench/results/cpu/dtype-agreement/): the same tokens' logits computed one token at a time, in
@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_redrafter.model import Model
 from mlx_redrafter.models.loader import Target, apply_template, build_model, pick_dtype, read_checkpoint, resolve_model
 
-FP32_TIE = 1e-4  # DESIGN §4: absolute top-2 gap below which a float32 divergence is a numerical tie
+FP32_TIE = 1e-4  # absolute top-2 gap of the AR path below which a float32 divergence is a numerical tie
 EPSILON = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}  # unit roundoff (half machine epsilon)
 # Multiples of EPSILON * max|logit| (measured in bench/results/cpu/dtype-agreement/, see the module docstring).
 TIE_FACTOR = {"float16": 64.0, "bfloat16": 64.0}

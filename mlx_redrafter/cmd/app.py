@@ -1,0 +1,23 @@
+"""The `redrafter-mlx` typer app: each command lives in its own module (cmd/main.py runs it)."""
+
+from __future__ import annotations
+
+import typer
+
+from mlx_redrafter.cmd.chat import chat
+from mlx_redrafter.cmd.generate import generate
+from mlx_redrafter.cmd.quantize import quantize
+from mlx_redrafter.cmd.train import answers, distill, eval_drafter, features, train
+from mlx_redrafter.cmd.tune import tune
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Exact speculative decoding (ReDrafter + lookup drafting) in pure MLX.")
+app.command()(generate)
+app.command()(chat)
+app.command()(tune)
+app.command()(distill)
+app.command()(features)
+app.command()(answers)
+app.command()(train)
+app.command("eval-drafter")(eval_drafter)
+app.command()(quantize)

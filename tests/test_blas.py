@@ -1,0 +1,65 @@
+"""The BLAS switch is explicit and loud: importing the library changes nothing, `install_blas` loads what the two
+independent switches ask for, and a kernel expected on this machine but missing is one warning line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_small_gemm import EXPECTED
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload exists only on Linux")
+
+PROBE = ("import json, mlx_redrafter{imports}; maps = open('/proc/self/maps').read(); before = ('libmkl' in maps, "
+         "'_smallgemm' in maps); st = mlx_redrafter.install_blas(){after}; maps = open('/proc/self/maps').read(); "
+         "print(json.dumps({{'before': before, 'after': ('libmkl' in maps, '_smallgemm' in maps), "
+         "'status': st.as_dict()}}))")
+
+
+def probe(imports: str = "", after: str = "", **env: str) -> tuple[dict, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("REDRAFTER_")}
+    p = subprocess.run([sys.executable, "-c", PROBE.format(imports=imports, after=after)], capture_output=True,
+                       text=True, env={**clean, **env}, check=True)
+    return json.loads(p.stdout), p.stderr
+
+
+def test_importing_the_library_leaves_the_process_blas_alone():
+    p = subprocess.run([sys.executable, "-c", "import mlx_redrafter, mlx_redrafter.api, mlx_redrafter.sweep, "
+                        "mlx_redrafter.train.loop; maps = open('/proc/self/maps').read(); "
+                        "print('libmkl' in maps, '_smallgemm' in maps)"], capture_output=True, text=True, check=True)
+    assert p.stdout.split() == ["False", "False"] and p.stderr == ""
+
+
+def test_install_loads_the_blas_and_the_kernel():
+    got, err = probe()
+    assert got["before"] == [False, False] and err == ""
+    assert got["after"][0] and got["status"]["blas"].startswith("libmkl_rt")
+    assert got["status"]["small_gemm"] == got["after"][1] == EXPECTED
+
+
+def test_the_two_switches_are_independent():
+    got, _ = probe(REDRAFTER_BLAS="off")
+    assert got["status"]["blas"] == "mlx-default" and not got["after"][0]
+    assert got["status"]["small_gemm"] == EXPECTED  # the kernel hands big products to MLX's own BLAS
+    got, _ = probe(REDRAFTER_SMALL_GEMM="off")
+    assert got["status"]["blas"].startswith("libmkl_rt") and not got["status"]["small_gemm"]
+    assert not got["after"][1]
+
+
+@pytest.mark.skipif(not EXPECTED, reason="the kernel is not built for this machine")
+def test_a_missing_kernel_is_one_warning_line_and_the_cli_still_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDRAFTER_")}
+    env["REDRAFTER_SMALL_GEMM_LIB"] = str(tmp_path / "missing.so")
+    p = subprocess.run([sys.executable, "-m", "mlx_redrafter.cmd.main", "generate", "-p", "Hi", "-n", "2",
+                        "--no-draft", "--json"], capture_output=True, text=True, env=env, timeout=300,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: the small-GEMM kernel is not active"), lines
+    assert "missing.so does not exist" in lines[0] and "REDRAFTER_SMALL_GEMM=off" in lines[0]
+    record = json.loads(p.stdout.splitlines()[-1])
+    assert record["blas"].startswith("libmkl_rt") and "smallgemm" not in record["blas"]
