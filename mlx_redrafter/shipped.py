@@ -30,9 +30,9 @@ def shipped_drafter_path(model_name: str) -> Path | None:
 def answer_table(target: Target) -> AnswerTable | None:
     """The answer table shipped for this model (answers.npz beside its drafter), or None."""
     path = shipped_folder(target.name) / "answers.npz"
-    return _load_answer_table(path) if path.exists() else None
+    return _load_answer_table(path, target.model.args.vocab_size) if path.exists() else None
 
 
 @cache
-def _load_answer_table(path: Path) -> AnswerTable:
-    return AnswerTable.load(path)
+def _load_answer_table(path: Path, vocab_size: int) -> AnswerTable:
+    return AnswerTable.load(path, vocab_size)

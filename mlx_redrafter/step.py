@@ -77,7 +77,7 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     acc = accept(cands, tree, logits[0], sampling, None if sampling.greedy else rng.next())  # accept
     h = hidden[0, acc.stop][None]
     drafted = tree.tokens[acc.path]
-    n_real = (cands >= 0).sum()
+    n_real = mx.cumprod(cands >= 0, axis=1).sum()  # slots before each candidate's first PAD
     mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.matched, n_real)
     clock.lap("accept", unprofiled="verify")
     n = acc.n.item()

@@ -1,6 +1,7 @@
 """Lookup indices (prompt n-gram lookup, suffix automaton) against brute-force searches on random texts."""
 
 import numpy as np
+import pytest
 
 from mlx_redrafter.draft.lookup import NgramIndex, SuffixIndex
 
@@ -105,3 +106,26 @@ def test_a_backup_source_proposes_only_when_the_one_it_backs_up_has_nothing():
 
     assert names([1, 7, 8, 2, 7, 8]) == ["lookup"]  # the context repeats (7, 8): the table stays silent
     assert names([1, 2, 3, 7, 8]) == ["answers"]  # nothing to copy from the context: the table proposes
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"not a zip file", "cannot be read"),
+    ("float", "1-D integer array"),
+    ("out_of_vocab", "outside the model's vocabulary"),
+    ("no_tokens", "cannot be read"),
+])
+def test_a_bad_answer_table_is_one_line(tmp_path, content, needle):
+    from mlx_redrafter.draft.lookup import AnswerTable
+    from mlx_redrafter.errors import UserError
+
+    path = tmp_path / "answers.npz"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        arrays = {"float": {"tokens": np.ones(4, dtype=np.float32)},
+                  "out_of_vocab": {"tokens": np.array([5, 70000, -1], dtype=np.int32)},
+                  "no_tokens": {"other": np.zeros(2, dtype=np.int32)}}[content]
+        np.savez(path, **arrays)
+    with pytest.raises(UserError, match=needle) as e:
+        AnswerTable.load(path, vocab_size=49152)
+    assert "\n" not in str(e.value) and "redrafter-mlx answers" in str(e.value)

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.draft.base import PAD, DecodeState
+from mlx_redrafter.errors import UserError
 
 
 class NgramIndex:
@@ -161,9 +162,23 @@ class AnswerTable:
             self.tables[n] = (keys[~bad][order], ends[order])
 
     @classmethod
-    def load(cls, path: str | Path) -> AnswerTable:
-        z = np.load(path)
-        return cls(z["tokens"], meta=json.loads(str(z["meta"])) if "meta" in z.files else None)
+    def load(cls, path: str | Path, vocab_size: int | None = None) -> AnswerTable:
+        """Read answers.npz (`redrafter-mlx answers`); a file that is not one, or holds ids outside the
+        vocabulary, is a one-line UserError."""
+        fix = "rebuild it with `redrafter-mlx answers` or delete it"
+        try:
+            with np.load(path) as z:
+                tokens = z["tokens"]
+                meta = json.loads(str(z["meta"])) if "meta" in z.files else None
+        except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError) as e:
+            raise UserError(f"answer table {path} cannot be read ({e}): {fix}") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise UserError(f"answer table {path}: 'tokens' must be a 1-D integer array (got {tokens.dtype}, "
+                            f"{tokens.ndim}-D): {fix}")
+        if len(tokens) and (tokens.min() < -1 or (vocab_size is not None and tokens.max() >= vocab_size)):
+            raise UserError(f"answer table {path} holds token ids from {tokens.min()} to {tokens.max()}, outside "
+                            f"the model's vocabulary (0..{vocab_size}, -1 between answers): {fix}")
+        return cls(tokens, meta=meta if isinstance(meta, dict) else None)
 
     def candidates(self, context: list[int], max_len: int, width: int) -> list[list[int]]:
         """Up to `width` distinct continuations (1..max_len tokens) of the context's longest known last n-gram."""
