@@ -40,6 +40,7 @@ class Record:
     verified: int = 0  # packed tokens the target verified
     candidates: int = 0  # candidate slots proposed, before prefix sharing
     runs: dict[str, int] = field(default_factory=dict)  # per source: the drafts its best candidate had accepted
+    source: str = ""  # the source whose drafts were accepted (the first `accepted` tokens); "" when none was
     proposed: dict[str, int] = field(default_factory=dict)  # per source: candidates proposed
     phase_s: dict[str, float] = field(default_factory=dict)  # seconds per step phase (step.PHASES)
     stop: str = ""  # eos | max_tokens on the record that ended the generation
@@ -248,7 +249,7 @@ def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, 
                 src.extend(r.tokens)
             allocator.update(r.runs)
             yield run.record(r.tokens, accepted=r.accepted, verified=r.verified, candidates=r.candidates,
-                             runs=r.runs, proposed=r.proposed, phase_s=r.seconds)
+                             runs=r.runs, source=r.source, proposed=r.proposed, phase_s=r.seconds)
             run.resume()
     finally:
         run.settle()

@@ -52,6 +52,7 @@ class StepResult:
     verified: int  # packed tokens the target verified
     candidates: int  # candidate slots proposed (before prefix sharing, PAD excluded)
     runs: dict[str, int]  # per source: the drafts its best candidate would have had accepted
+    source: str  # the source whose drafts were accepted ("" when none was)
     proposed: dict[str, int]  # per source: candidates proposed
     seconds: dict[str, float] = field(default_factory=dict)  # per phase (see `profile`)
 
@@ -84,9 +85,11 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     cache.commit(acc.path, n + 1)  # commit (a copy only if the path is not in place; lazy)
     clock.lap("commit", *cache.state())
     tokens = drafted[1 : n + 1].tolist() + acc.next_token.tolist()
-    runs = proposal.by_source(acc.matched.tolist())
+    matched = acc.matched.tolist()
+    runs = proposal.by_source(matched)
+    source = proposal.owner(matched.index(n)) if n > 0 else ""
     return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
-                      candidates=n_real.item(), runs=runs, proposed=proposal.proposed(),
+                      candidates=n_real.item(), runs=runs, source=source, proposed=proposal.proposed(),
                       seconds=clock.seconds)
 
 

@@ -7,6 +7,7 @@ import typer
 from mlx_redrafter.cmd.chat import chat
 from mlx_redrafter.cmd.generate import generate
 from mlx_redrafter.cmd.quantize import quantize
+from mlx_redrafter.cmd.serve import serve
 from mlx_redrafter.cmd.train import answers, distill, eval_drafter, features, train
 from mlx_redrafter.cmd.tune import tune
 
@@ -14,6 +15,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Exact speculative decoding (ReDrafter + lookup drafting) in pure MLX.")
 app.command()(generate)
 app.command()(chat)
+app.command()(serve)
 app.command()(tune)
 app.command()(distill)
 app.command()(features)

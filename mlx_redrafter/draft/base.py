@@ -94,6 +94,15 @@ class Proposal:
             start += n
         return out
 
+    def owner(self, row: int) -> str:
+        """The source that proposed candidate `row`."""
+        start = 0
+        for name, n in self.rows:
+            if row < start + n:
+                return name
+            start += n
+        return ""
+
     def proposed(self) -> dict[str, int]:
         """Per source, the candidates it proposed."""
         out: dict[str, int] = {}

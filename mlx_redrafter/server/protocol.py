@@ -1,0 +1,196 @@
+"""The OpenAI wire format: requests parsed and checked into what the scheduler runs, responses and errors built.
+
+Decoding fields are checked by the option groups the CLI uses (`DecodeOptions.updated` + `check`): a bad value is
+the same one-line message, here as a 400 JSON error naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.options import DecodeOptions
+
+# Request fields that select how to decode, by their flat option names (draft modes, shapes, sampling).
+DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup", "lookup_max_length",
+                 "answers_width", "drafter_vocab", "medusa_tree", "temperature", "top_p", "top_k", "min_p", "seed")
+UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprobs": None, "logit_bias": None,
+               "presence_penalty": 0, "frequency_penalty": 0, "response_format": None, "suffix": None, "echo": False,
+               "best_of": 1}  # field -> the value that means "not used"
+ROLES = ("system", "user", "assistant")
+MAX_STOPS = 4
+
+
+class ApiError(Exception):
+    """An error with its HTTP status, as OpenAI's JSON error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class Request:
+    """One completion to run: chat messages or a raw prompt, checked options, stop strings, how to answer."""
+
+    kind: str  # chat | text
+    model: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    prompt: str = ""
+    options: DecodeOptions = field(default_factory=DecodeOptions)
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
+    """Check a /v1/chat/completions (kind 'chat') or /v1/completions ('text') body against what this server
+    serves; `base` holds the server's own decoding defaults. Raises ApiError."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model", served)
+    if not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    if model not in (served, "default"):
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {served!r}", "model",
+                       "not_found_error")
+    for name, unused in UNSUPPORTED.items():
+        if name in body and body[name] not in (unused, None):
+            raise _bad(f"{name!r} is not supported by this server", name)
+    n = body.get("n", 1)
+    if n != 1:
+        raise _bad(f"'n' must be 1 (one completion per request; got {n!r})", "n")
+    req = Request(kind=kind, model=served)
+    if kind == "chat":
+        req.messages = _messages(body.get("messages"))
+    else:
+        req.prompt = _prompt(body.get("prompt"))
+    req.stop = _stop(body.get("stop"))
+    req.stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        req.include_usage = _bool(opts, "include_usage", False)
+    req.options = _options(body, base)
+    return req
+
+
+def _bool(d: dict, name: str, default: bool) -> bool:
+    value = d.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(f"'{name}' must be true or false (got {value!r})", name)
+    return value
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"messages[{i}] must be an object with a role of {', '.join(ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": m["role"], "content": content})
+    if not any(m["content"].strip() for m in out):
+        raise _bad("the messages are empty", "messages")
+    return out
+
+
+def _prompt(prompt: Any) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad("'prompt' must be one string", "prompt")
+    if not prompt.strip():
+        raise _bad("the prompt is empty", "prompt")
+    return prompt
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
+    return stops
+
+
+def _options(body: dict, base: DecodeOptions) -> DecodeOptions:
+    flat = {k: body[k] for k in DECODE_FIELDS if body.get(k) is not None}
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        flat["max_tokens"] = limit
+    try:
+        options = base.updated(**flat)
+        options.check()
+    except UserError as e:
+        param = next((k for k in flat if k.replace("_", "-") in str(e) or k in str(e)), None)
+        raise _bad(str(e).replace("--", ""), param) from None
+    except TypeError as e:
+        raise _bad(f"a decoding field has the wrong type ({e})") from None
+    return options
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int, stats: Any, draft: str) -> dict[str, Any]:
+    """OpenAI's usage object, with what speculation did under 'redrafter'."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
+            "redrafter": {"draft": draft, "tokens_per_call": round(stats.tokens_per_step, 4),
+                          "target_calls": stats.steps, "source_tokens_per_call": stats.source_tokens_per_step(),
+                          "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)}}
+
+
+def chunk(req: Request, text: str, finish: str | None = None, origin: dict | None = None,
+          first: bool = False) -> dict[str, Any]:
+    """One streamed chunk (chat.completion.chunk or text_completion)."""
+    if req.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if finish is not None and not text:
+            delta = {}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}, "text_completion"
+    out = {"id": _id(req), "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
+    if origin is not None:
+        out["redrafter"] = origin
+    return out
+
+
+def completion(req: Request, text: str, finish: str, use: dict[str, Any]) -> dict[str, Any]:
+    """The whole answer (not streamed)."""
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}, "text_completion"
+    return {"id": _id(req), "object": obj, "created": req.created, "model": req.model, "choices": [choice],
+            "usage": use}
+
+
+def _id(req: Request) -> str:
+    return ("chatcmpl-" if req.kind == "chat" else "cmpl-") + req.id

@@ -1,0 +1,177 @@
+"""`redrafter-mlx serve`: a real server process on 127.0.0.1 driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from mlx_redrafter import api
+
+KEY = "sk-test-key"
+QUESTION = "Name three primary colors."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    env = {**os.environ, "MKL_NUM_THREADS": "1",
+           "REDRAFTER_TUNED_FILE": str(tmp_path_factory.mktemp("tuned") / "none.json")}
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_redrafter.cmd.main", "serve", "--port", str(port),
+                                 "--api-key", KEY, "--max-active", "3"], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def lm(target):
+    drafter, name = api.resolve_drafter("default", target)
+    return api.LoadedModel(target, drafter, name)
+
+
+def _chat(question: str = QUESTION) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+def test_models_and_health(server, client):
+    (m,) = client.models.list().data
+    assert m.id == "smollm2-135m"
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_greedy_chat_equals_the_library_and_reports_speculation(client, lm):
+    res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=40)
+    assert res.choices[0].message.content == api.generate(lm, QUESTION, max_tokens=40).text
+    assert res.choices[0].finish_reason in ("stop", "length")
+    extra = res.usage.model_extra["redrafter"]
+    assert extra["draft"] == "lookup-else-rnn" and extra["tokens_per_call"] >= 1.0
+    assert res.usage.completion_tokens > 0 and res.usage.prompt_tokens > 0
+
+
+def test_streaming_sends_the_same_text_with_origins_and_usage(server, client):
+    kwargs = {"model": "smollm2-135m", "messages": _chat(), "max_tokens": 40}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    origins = {c.model_extra["redrafter"]["origin"] for c in chunks if c.choices and c.model_extra.get("redrafter")}
+    assert "target" in origins and origins <= {"target", "draft:rnn", "draft:lookup", "draft:answers"}
+
+
+def test_completions_stop_strings_and_seeds(client):
+    res = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4, 5,", max_tokens=20)
+    assert res.choices[0].text.strip()
+    stopped = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4, 5,", max_tokens=20,
+                                        stop=["8"])
+    assert "8" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    assert res.choices[0].text.startswith(stopped.choices[0].text)
+    sampled = [client.chat.completions.create(model="smollm2-135m", messages=_chat("Tell me a story."),
+                                              max_tokens=24, temperature=0.9, seed=seed).choices[0].message.content
+               for seed in (3, 3, 4)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_a_follow_up_reuses_the_conversation_cache(client):
+    first = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=16)
+    follow = _chat() + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And three secondary colors?"}]
+    res = client.chat.completions.create(model="smollm2-135m", messages=follow, max_tokens=16)
+    assert res.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+
+
+def test_concurrent_requests_each_get_their_own_answer(client, lm):
+    questions = [QUESTION, "What is the capital of France?", "Count from one to five.", "Say hello."]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda q: client.chat.completions.create(
+            model="smollm2-135m", messages=_chat(q), max_tokens=24).choices[0].message.content, questions))
+    assert got == [api.generate(lm, q, max_tokens=24).text for q in questions]
+
+
+def test_a_client_that_disconnects_stops_its_request(server, client):
+    body = {"model": "smollm2-135m", "messages": _chat("Write a long story about a dragon."), "max_tokens": 400,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    for _ in range(60):
+        if httpx.get(f"{server}/health").json()["active"] == 0:
+            break
+        time.sleep(0.5)
+    assert httpx.get(f"{server}/health").json()["active"] == 0
+    assert client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=4).choices
+
+
+BAD = [
+    ("not json", 400, "not valid JSON"),
+    ({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "not served here"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n' must be 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temp"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temp"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max-tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "beam_width": 100000}, 400, "beam-width"),
+    ({"messages": [{"role": "user", "content": "hi"}], "draft": "warp"}, 400, "draft must be one of"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -5}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "not supported"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "larger than"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_a_json_error_and_the_server_goes_on(server, body, status, needle):
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server}/v1/chat/completions", content=data, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] and "Traceback" not in r.text
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_routes_and_keys(server):
+    assert httpx.get(f"{server}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": _chat()})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    page = httpx.get(f"{server}/")
+    assert page.status_code == 200 and "Token origin" in page.text and "/v1/chat/completions" in page.text
