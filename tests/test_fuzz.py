@@ -57,7 +57,7 @@ def test_random_cases_never_diverge(target, chat_ids):
         key = (p_idx, n_tok)
         if key not in ar_cache:
             ar_cache[key] = ar_tokens(model, prompts[p_idx], n_tok, tok.eos_ids)
-        got = speculative_tokens(model, prompts[p_idx], alloc, L, n_tok, tok.eos_ids)
+        got, _ = speculative_tokens(model, prompts[p_idx], alloc, L, n_tok, tok.eos_ids)
         if got != ar_cache[key]:
             problem = divergence(model, prompts[p_idx], ar_cache[key], got)
             ties += problem is None
