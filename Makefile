@@ -34,7 +34,7 @@ chat: $(STAMP)  ## chat with the embedded default model
 TEST_WORKERS ?= 2
 ONE_THREAD = $(if $(filter 0,$(TEST_WORKERS)),,MKL_NUM_THREADS=1 REDRAFTER_THREADS=1)
 
-test: $(VENV)/.torch  ## run the test suite (installs the torch extra: parity and converter tests need it)
+test: $(VENV)/.torch $(VENV)/.browser  ## run the test suite (installs the torch extra and, with apt, a browser)
 	$(ONE_THREAD) $(BIN)/python -m pytest -q tests -n $(TEST_WORKERS) --dist loadscope
 
 fuzz: $(VENV)/.torch  ## >= 1,000 random exactness cases (FUZZ_CASES=N): speculative == AR, fp32; parser fuzzing
@@ -42,6 +42,16 @@ fuzz: $(VENV)/.torch  ## >= 1,000 random exactness cases (FUZZ_CASES=N): specula
 
 lint: $(STAMP)
 	$(BIN)/ruff check mlx_redrafter convert bench tests
+
+# The page test drives Debian's chromium through its chromedriver: installed where apt-get runs as root; elsewhere
+# that one test skips with a line saying why.
+$(VENV)/.browser: $(STAMP)
+	@if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1) || \
+	  echo "note: could not install chromium: the browser test will skip"; fi
+	touch $@
 
 $(VENV)/.torch: $(STAMP)
 	$(BIN)/pip install -q -e ".[$(EXTRAS),torch]"

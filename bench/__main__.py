@@ -354,6 +354,45 @@ def main() -> None:
         sys.exit(2)
 
 
+@app.command()
+@c.one_line_errors
+def load(
+    device: str = typer.Option(..., help="Label of this machine: results go to bench/results/DEVICE/server-load.*"),
+    clients: str = typer.Option("1,2,4,8", help="Concurrency levels, comma-separated."),
+    requests: int = typer.Option(2, help="Requests per client per level."),
+    num_prompts: int = typer.Option(8, help="MT-bench first turns to cycle through."),
+    max_tokens: int = typer.Option(64, help="Most new tokens per request."),
+    max_seconds: float = typer.Option(1800, help="Stop after the level that passes this many seconds."),
+    url: str | None = typer.Option(None, help="A running server (default: start one on 127.0.0.1)."),
+) -> None:
+    """K concurrent clients x M requests against `redrafter-mlx serve`, vs the same requests one at a time."""
+    from mlx_redrafter.prompts import first_turns
+    from mlx_redrafter.system.machine_state import machine_now
+
+    from .load import run_load, start_server, write
+
+    ks = c.int_list(clients, "--clients")
+    if ks[0] < 1 or requests < 1 or max_tokens < 1 or num_prompts < 1:
+        raise UserError("--clients, --requests, --max-tokens and --num-prompts must be >= 1")
+    prompts = [r["prompt"] for r in first_turns(None, num_prompts, spread=True)]
+    proc = None
+    if url is None:
+        proc, url = start_server(["--max-active", str(max(ks))])
+    try:
+        before = machine_now()
+        res = run_load(url, prompts, ks, requests, max_tokens, max_seconds,
+                       log=lambda m: typer.echo(m, err=True))
+        res["machine_state"] = {"before": before, "after": machine_now()}
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    quiet = "quiet machine" if res["machine_state"]["before"]["quiet"] else "NOT a quiet machine"
+    out = Path(__file__).resolve().parent / "results" / device
+    write(res, out, f"Server load test ({device}, {quiet})")
+    typer.echo(f"wrote {out}/server-load.md", err=True)
+
+
 if __name__ == "__main__":
     from mlx_redrafter import install_blas
 

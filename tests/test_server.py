@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -175,3 +176,34 @@ def test_routes_and_keys(server):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     page = httpx.get(f"{server}/")
     assert page.status_code == 200 and "Token origin" in page.text and "/v1/chat/completions" in page.text
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="no chromium + chromedriver here (make test installs "
+                    "Debian's where apt-get is available)")
+def test_the_page_streams_an_answer_with_token_origins(server, tmp_path):
+    """A real headless browser: send a message, see the answer stream in with its tokens marked by origin."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,900"):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        browser.get(server + "/")
+        browser.find_element(By.ID, "key").send_keys(KEY)
+        browser.find_element(By.ID, "msg").send_keys("Repeat after me: red green blue, red green blue.")
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 120).until(lambda b: "tokens per target call" in b.find_element(By.ID, "stats").text)
+        spans = browser.find_elements(By.CSS_SELECTOR, "#log .answer span")
+        assert spans and {s.get_attribute("class") for s in spans} >= {"target"}
+        assert any(s.get_attribute("class").startswith("draft-") for s in spans)
+        browser.save_screenshot(str(os.environ.get("PAGE_SCREENSHOT", tmp_path / "page.png")))
+    finally:
+        browser.quit()
