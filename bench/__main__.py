@@ -346,10 +346,13 @@ def compare(
 
 
 def main() -> None:
-    """Entry point of `python -m bench`."""
+    """Entry point of `python -m bench`: installs the BLAS, then runs the command."""
+    from mlx_redrafter import install_blas
+
     try:
+        install_blas()  # before any command imports mlx.core; an unknown switch value is a UserError
         sys.exit(c.run_app(app, None, "python -m bench"))
-    except UserError as e:  # raised outside a command's own handler
+    except UserError as e:  # the BLAS switches, and errors raised outside a command's own handler
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
 
@@ -394,7 +397,4 @@ def load(
 
 
 if __name__ == "__main__":
-    from mlx_redrafter import install_blas
-
-    install_blas()  # before any command imports mlx.core
     main()

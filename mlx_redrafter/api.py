@@ -209,7 +209,7 @@ def stream_generate(lm: LoadedModel, prompt: str | list[int], options: DecodeOpt
 
 def settings(lm: LoadedModel, options: DecodeOptions) -> dict:
     """The settings a generation ran with (for --json output and benchmark records)."""
-    from mlx_redrafter.system.blas import blas_name
+    from mlx_redrafter.system.blas import blas_name, status
 
     mode = draft_mode(lm, options)
     return {
@@ -218,6 +218,7 @@ def settings(lm: LoadedModel, options: DecodeOptions) -> dict:
         "beam_length": options.shape.length if mode.drafts else 0,
         **source_settings(mode, lm.target, lm.drafter, options),
         **options.sampling.as_dict(), "device": str(mx.default_device()), "blas": blas_name(),
+        "blas_status": status().as_dict(),
     }
 
 

@@ -7,10 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.one_line import CLI, assert_one_line_error, run
 from tests.test_small_gemm import EXPECTED
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, "-m", "bench"]
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload exists only on Linux")
 
@@ -63,3 +68,21 @@ def test_a_missing_kernel_is_one_warning_line_and_the_cli_still_runs(tmp_path):
     assert "missing.so does not exist" in lines[0] and "REDRAFTER_SMALL_GEMM=off" in lines[0]
     record = json.loads(p.stdout.splitlines()[-1])
     assert record["blas"].startswith("libmkl_rt") and "smallgemm" not in record["blas"]
+    full = record["blas_status"]
+    assert full["small_gemm_expected"] and not full["small_gemm"] and "missing.so does not exist" in full["problem"]
+
+
+@pytest.mark.parametrize("var, value, allowed", [("REDRAFTER_BLAS", "mkk", "auto, mkl, openblas, off"),
+                                                 ("REDRAFTER_SMALL_GEMM", "offf", "auto, on")])
+def test_an_unknown_switch_value_is_one_error_line(tmp_path, var, value, allowed):
+    for args in ([*CLI, "generate", "--help"], [*BENCH, "sweep", "--help"]):
+        p = run(args, tmp_path, **{var: value}, PYTHONPATH=str(REPO))
+        assert_one_line_error(p, var, repr(value), allowed)
+
+
+def test_the_json_record_holds_the_full_blas_status(tmp_path):
+    p = run([*CLI, "generate", "-p", "Hi", "-n", "2", "--no-draft", "--json"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    full = json.loads(p.stdout.splitlines()[-1])["blas_status"]
+    assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_expected", "problem"}
+    assert full["installed"] and full["small_gemm"] == EXPECTED

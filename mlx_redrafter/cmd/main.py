@@ -13,13 +13,13 @@ from mlx_redrafter.errors import UserError
 
 def main() -> None:
     """Console entry point: usage errors and bad input end with one `error:` line and status 2."""
-    install_blas()
-    from mlx_redrafter.cmd.app import app
-    from mlx_redrafter.cmd.common import run_app
-
     try:
+        install_blas()  # an unknown REDRAFTER_BLAS / REDRAFTER_SMALL_GEMM value is a UserError
+        from mlx_redrafter.cmd.app import app
+        from mlx_redrafter.cmd.common import run_app
+
         sys.exit(run_app(app, None, "redrafter-mlx"))
-    except UserError as e:  # safety net for errors raised outside a command's own handler
+    except UserError as e:  # the BLAS switches, and errors raised outside a command's own handler
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
 

@@ -8,6 +8,7 @@ On x86-64 with AVX-512 or AVX2 + FMA a small library of ours (csrc/smallgemm.c, 
 cblas_sgemm computes the products of few rows (decode and verification steps) by streaming each weight once,
 and hands everything else to the BLAS (MLX's bundled one when REDRAFTER_BLAS=off).
 Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
+Other values of either switch are refused (a UserError naming the variable and the values it takes).
 
 Importing this package changes nothing: the command line, the benchmark and the tests call `install()` before
 anything imports mlx.core; a Python program does the same (`mlx_redrafter.install_blas()`). `install` checks a
@@ -30,6 +31,9 @@ _loaded: str | None = None
 _handle: ctypes.CDLL | None = None
 _small: ctypes.CDLL | None = None
 _OFF = ("off", "0", "none", "false")
+_ON = ("auto", "on", "1", "true")
+BLAS_CHOICES = ("auto", "mkl", "openblas", *_OFF)
+SMALL_GEMM_CHOICES = (*_ON, *_OFF)
 
 
 @dataclass
@@ -48,10 +52,32 @@ class BlasStatus:
         return self.blas + ("+smallgemm" if self.small_gemm else "")
 
     def as_dict(self) -> dict:
+        """All fields, for --json output and benchmark records."""
         return asdict(self)
 
 
 _status = BlasStatus()
+
+
+def _switch(var: str, allowed: tuple[str, ...]) -> str:
+    """The lower-cased value of switch `var` (auto when unset); an unknown value is the user's error."""
+    from mlx_redrafter.errors import UserError
+
+    value = os.environ.get(var, "auto").strip().lower()
+    if value not in allowed:
+        raise UserError(f"{var}={os.environ[var]!r} is not a known value; use one of: {', '.join(allowed)}")
+    return value
+
+
+def blas_choice() -> str:
+    """REDRAFTER_BLAS: 'auto', 'mkl', 'openblas' or 'off' (any of its spellings maps to 'off')."""
+    value = _switch("REDRAFTER_BLAS", BLAS_CHOICES)
+    return "off" if value in _OFF else value
+
+
+def small_gemm_requested() -> bool:
+    """REDRAFTER_SMALL_GEMM is on (auto, the default) rather than off."""
+    return _switch("REDRAFTER_SMALL_GEMM", SMALL_GEMM_CHOICES) not in _OFF
 
 
 def _small_gemm_path() -> str | None:
@@ -109,10 +135,12 @@ def _openblas_candidates() -> list[str]:
 
 def install() -> BlasStatus:
     """Load the optimized BLAS and the small-GEMM kernel (per the switches) before MLX starts, check them on a
-    tiny product, and return what is in use. Idempotent; call it before anything imports mlx.core."""
+    tiny product, and return what is in use. Idempotent; call it before anything imports mlx.core.
+    Raises UserError for an unknown value of either switch."""
     global _status
     if _status.installed:
         return _status
+    choice, want_small = blas_choice(), small_gemm_requested()  # unknown switch values fail before anything loads
     st = BlasStatus(installed=True)
     if platform.system() != "Linux":
         _status = st
@@ -125,12 +153,11 @@ def install() -> BlasStatus:
         _status = st
         return st
     x86 = platform.machine() in ("x86_64", "AMD64")
-    if os.environ.get("REDRAFTER_SMALL_GEMM", "auto").lower() not in _OFF and x86:
+    if want_small and x86:
         st.small_gemm_expected = _cpu_has_kernel_features()
         missing = _load_small_gemm()
         if missing and st.small_gemm_expected:
             st.problem = f"the small-GEMM kernel is not active: {missing}"
-    choice = os.environ.get("REDRAFTER_BLAS", "auto").lower()
     order = {"auto": ["mkl", "openblas"], "mkl": ["mkl"], "openblas": ["openblas"]}.get(choice, [])
     for kind in order:
         paths = _mkl_candidates() if kind == "mkl" else _openblas_candidates()

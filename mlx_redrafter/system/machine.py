@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_redrafter.system.blas import blas_name
+from mlx_redrafter.system.blas import blas_name, status
 
 
 def _cpu_model() -> str:
@@ -95,6 +95,7 @@ def machine_info() -> dict[str, Any]:
         "backend": _backend(),
         "default_device": str(mx.default_device()),
         "blas": blas_name(),
+        "blas_status": status().as_dict(),  # why the kernel is off where it was expected, if it is
     }
     if info["backend"] == "metal":
         try:
