@@ -45,7 +45,7 @@ def distill(
     features: Path = typer.Option(DEFAULT_FEATURES, help="Local cache for the hidden states computed while "
                                   "generating (derived data, not committed)."),
     threads: int = typer.Option(1, help="BLAS threads (1 is right when other work shares the cores)."),
-    nice: int = typer.Option(19, help="Scheduling niceness added to this process (0 = none)."),
+    nice: int = typer.Option(19, help="Scheduling niceness added to this process and its session group (0 = none)."),
     worker: str = typer.Option("0/1", help="I/N: make only the shards whose index is I modulo N (run N processes, "
                                "one per core)."),
 ) -> None:
@@ -55,10 +55,9 @@ def distill(
     Resumable (finished shards are kept; a corrupt one is regenerated), batched, float32. Run it in the
     background; stop it any time (Ctrl-C, kill): at most the shard in progress is lost.
     """
-    import os
-
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.system.blas import set_threads
+    from mlx_redrafter.system.priority import lower_priority
     from mlx_redrafter.train.distill import check_worker, grow
 
     source = "endpoint" if endpoint else source
@@ -67,8 +66,7 @@ def distill(
     if source == "endpoint" and not endpoint:
         raise UserError("--source endpoint needs --endpoint URL (e.g. http://127.0.0.1:8080/v1)")
     i, n = check_worker(worker)
-    if nice:
-        os.nice(nice)
+    lower_priority(nice)
     set_threads(threads)
     target = load_target(model, "float32")
     if source == "greedy":
@@ -96,22 +94,21 @@ def features(
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     cache: Path = typer.Option(DEFAULT_FEATURES, "--features", help="Where features are cached (not committed)."),
     threads: int = typer.Option(1, help="BLAS threads (1 is right when other work shares the cores)."),
-    nice: int = typer.Option(19, help="Scheduling niceness added to this process (0 = none)."),
+    nice: int = typer.Option(19, help="Scheduling niceness added to this process and its session group (0 = none)."),
     worker: str = typer.Option("0/1", help="I/N: build only every N-th missing shard, starting at I."),
 ) -> None:
     """Build the teacher-forced features of corpora: the target's hidden states and top-k labels at every
     position (float32 forward of the runtime's own model). Resumable; `train` builds what is missing anyway."""
-    import os
 
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.system.blas import set_threads
+    from mlx_redrafter.system.priority import lower_priority
     from mlx_redrafter.train.distill import check_worker
     from mlx_redrafter.train.features import ensure
     from mlx_redrafter.train.pipeline import open_corpus
 
     i, n = check_worker(worker)
-    if nice:
-        os.nice(nice)
+    lower_priority(nice)
     set_threads(threads)
     target = load_target(model, "float32")
     roots = corpus or sorted(p for p in DEFAULT_CORPUS.glob(f"{target.name}*") if (p / "manifest.json").exists())
