@@ -4,7 +4,7 @@ Layout per layer: keys/values (B, n_kv_heads, capacity, head_dim). Positions [0,
 (exactly what autoregressive decoding would have built); a forward writes its new tokens at
 [offset, offset + N) -- the scratch region -- and attends to [0, offset + N). `advance(n)` commits the
 first n scratch entries as they are (prefill, AR steps); `commit(path, n)` commits the entries of an
-accepted tree path, in order, and drops the rest.
+accepted tree path, in order, and drops the rest; `truncate(n)` keeps only the first n committed entries.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ class KVCache:
     def advance(self, n: int) -> None:
         """Commit the first n scratch entries in place."""
         self.offset += n
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n committed entries; the rest become scratch (overwritten by the next forward)."""
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"cannot truncate a cache of {self.offset} committed entries to {n}")
+        self.offset = n
 
     def commit(self, path: mx.array, n: int) -> None:
         """Commit an accepted path: scratch indices `path` (L,) in order; the first n become committed.

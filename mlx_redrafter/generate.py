@@ -7,7 +7,8 @@ new `prompt` tokens.
 
 The cache after a generation, however it ended (eos, max tokens, the caller closing the generator, an
 exception): a cache the caller passed holds exactly history + prompt + every emitted token, and its offset says
-so (`_settle`); a generation interrupted during the prefill leaves it at the history.
+so (`_Run.settle`, which raises RuntimeError if it cannot); a generation interrupted during the prefill
+leaves it at the history.
 """
 
 from __future__ import annotations
@@ -187,16 +188,23 @@ class _Run:
         self.t = time.perf_counter()
 
     def settle(self) -> None:
-        """Make the cache hold exactly history + prompt + emitted tokens (see the module docstring)."""
+        """Make the cache hold exactly history + prompt + emitted tokens (see the module docstring); raises
+        RuntimeError (a bug, not bad input) when it cannot."""
         want = self.base + len(self.prompt) + len(self.emit.emitted)
         if not self.prefilled:
-            self.cache.offset = self.base
-        elif self.cache.offset > want:
-            self.cache.offset = want  # entries past the offset are scratch
+            self.cache.truncate(self.base)
+            return
+        if self.cache.offset > want:
+            self.cache.truncate(want)
         elif self.cache.offset == want - 1 and not self.own_cache:  # the last emitted token is not fed yet
             self.model(mx.array([self.emit.emitted[-1:]]), self.cache)
             self.cache.advance(1)
             mx.eval(*self.cache.state())
+        # A cache of our own is dropped, so its last token need not be fed.
+        allowed = (want - 1, want) if self.own_cache else (want,)
+        if self.cache.offset not in allowed:
+            raise RuntimeError(f"internal error: after the generation the cache holds {self.cache.offset} tokens, "
+                               f"not history + prompt + emitted = {want}")
 
 
 def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_ids: list[int] = (),

@@ -121,3 +121,56 @@ def test_after_any_generation_the_cache_holds_history_prompt_and_every_emitted_t
     if ending in ("eos", "max_tokens"):
         assert stop == ending
     assert _holds_exactly(model, cache, history + prompt + emitted)
+
+
+class _SourceFailsOnThirdCall(RnnSource):
+    """A real draft source that raises in the middle of the third step (as a buggy or interrupted source would)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = 0
+
+    def propose(self, state, length, width):
+        self.calls += 1
+        if self.calls == 3:
+            raise _SourceFailed
+        return super().propose(state, length, width)
+
+
+class _SourceFailed(Exception):
+    pass
+
+
+def test_a_source_raising_mid_step_leaves_history_prompt_and_every_emitted_token(target):
+    model, tok = target.model, target.tokenizer
+    history = tok.encode_chat([{"role": "user", "content": "Hi!"}])
+    cache = model.make_cache(128)
+    model(mx.array([history]), cache)
+    cache.advance(len(history))
+    prompt = tok.encode("Hello!<|im_end|>\n<|im_start|>user\nCount to ten.<|im_end|>\n<|im_start|>assistant\n")
+    source = _SourceFailsOnThirdCall(random_drafter(576, 49152, seed=1), model.embed)
+    emitted = []
+    with pytest.raises(_SourceFailed):
+        for r in generate_speculative(model, prompt, Allocator([Slot(source, 3)]), length=4, max_tokens=64,
+                                      cache=cache, history=history):
+            emitted += r.tokens
+    assert source.calls == 3 and len(emitted) >= 3  # the prefill's token and two steps' worth
+    so_far = history + prompt + emitted
+    assert cache.offset == len(so_far)
+    assert _holds_exactly(model, cache, so_far)
+    # Continuing from the settled cache decodes what a fresh AR generation over the whole sequence decodes.
+    more = tok.encode("<|im_end|>\n<|im_start|>user\nAnd back?<|im_end|>\n<|im_start|>assistant\n")
+    continued, _ = collect(generate_ar(model, more, max_tokens=12, cache=cache, history=so_far))
+    fresh, _ = collect(generate_ar(model, so_far + more, max_tokens=12))
+    assert continued == fresh
+
+
+def test_truncate_keeps_the_first_committed_entries():
+    cache = KVCache(1, 8)
+    k = mx.arange(4 * 2, dtype=mx.float32).reshape(1, 1, 4, 2)
+    cache.write(0, k, k)
+    cache.advance(4)
+    cache.truncate(2)
+    assert cache.offset == 2 and cache.committed(0)[0][0, 0].tolist() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        cache.truncate(3)
