@@ -296,7 +296,7 @@ def profile(
     repeats: int = typer.Option(15, help="Interleaved repeats (median kept)."),
     context: int = typer.Option(200, help="Tokens already in the KV cache."),
 ) -> None:
-    """Where a verification step's time goes, per component, with and without the small-GEMM path."""
+    """What the target's forward costs as the verified tokens N grow, with and without the small-GEMM path."""
     import json
 
     from mlx_redrafter.files import write_atomic
