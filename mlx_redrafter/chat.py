@@ -15,7 +15,7 @@ the context, the oldest turns are dropped (`Turn.dropped_turns`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from mlx_redrafter import api
@@ -49,7 +49,8 @@ class Totals:
     dropped_turns: int = 0
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -138,7 +139,7 @@ class ChatSession:
         if len(ids) + MIN_ANSWER_ROOM > self.max_context:
             raise UserError(f"the message is too long: the conversation needs {len(ids)} tokens, the context holds "
                             f"{self.max_context} (an answer needs {MIN_ANSWER_ROOM} more)")
-        keep = min(_common_prefix(self.tokens, ids), len(ids) - 1)  # at least one token to prefill
+        keep = min(common_prefix(self.tokens, ids), len(ids) - 1)  # at least one token to prefill
         if keep < len(self.tokens):
             self.cache.offset = keep  # entries past the offset are scratch: overwritten by the next prefill
             self.tokens = self.tokens[:keep]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -16,9 +17,16 @@ import openai
 import pytest
 
 from mlx_redrafter import api
+from mlx_redrafter.options import DecodeOptions
+from mlx_redrafter.server.protocol import ApiError
+from mlx_redrafter.server.scheduler import Job, Scheduler
 
 KEY = "sk-test-key"
 QUESTION = "Name three primary colors."
+
+
+def _env(tmp_path) -> dict[str, str]:
+    return {**os.environ, "MKL_NUM_THREADS": "1", "REDRAFTER_TUNED_FILE": str(tmp_path / "none.json")}
 
 
 def _free_port() -> int:
@@ -30,8 +38,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
-    env = {**os.environ, "MKL_NUM_THREADS": "1",
-           "REDRAFTER_TUNED_FILE": str(tmp_path_factory.mktemp("tuned") / "none.json")}
+    env = _env(tmp_path_factory.mktemp("tuned"))
     log = tmp_path_factory.mktemp("server") / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mlx_redrafter.cmd.main", "serve", "--port", str(port),
@@ -140,38 +147,107 @@ def test_a_client_that_disconnects_stops_its_request(server, client):
     assert client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=4).choices
 
 
-BAD = [
-    ("not json", 400, "not valid JSON"),
-    ({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "not served here"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n' must be 1"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temp"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temp"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max-tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "beam_width": 100000}, 400, "beam-width"),
-    ({"messages": [{"role": "user", "content": "hi"}], "draft": "warp"}, 400, "draft must be one of"),
-    ({"messages": [{"role": "user", "content": "hi"}], "seed": -5}, 400, "seed"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "not supported"),
-    ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context"),
-    ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "larger than"),
+def test_a_non_streaming_client_that_disconnects_stops_its_request(server):
+    body = {"model": "smollm2-135m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 4000}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.5, headers={"Authorization": f"Bearer {KEY}"})
+    for _ in range(20):  # the request stops within a poll of its client (0.25 s) and a turn
+        if httpx.get(f"{server}/health").json()["active"] == 0:
+            break
+        time.sleep(0.25)
+    assert httpx.get(f"{server}/health").json()["active"] == 0
+
+
+def test_null_fields_count_as_absent_and_developer_is_system(server):
+    body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi."}],
+            "n": None, "max_completion_tokens": None, "max_tokens": 2}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 2
+
+
+HI = [{"role": "user", "content": "hi"}]
+BAD = [  # body, status, a needle of the message, the error's param (where it names one)
+    ("not json", 400, "not valid JSON", None),
+    ("[" * 100000 + "]" * 100000, 400, "nested too deeply", None),
+    ({"model": "gpt-17", "messages": HI}, 404, "not served here", "model"),
+    ({"messages": HI, "n": 2}, 400, "'n' must be 1", "n"),
+    ({"messages": HI, "temperature": "hot"}, 400, "temperature must be", "temperature"),
+    ({"messages": HI, "temperature": -1}, 400, "temperature must be", "temperature"),
+    ({"messages": HI, "temperature": 3.5}, 400, "temperature must be from 0 to 2", "temperature"),
+    ({"messages": HI, "temperature": 1e300}, 400, "temperature must be from 0 to 2", "temperature"),
+    ({"messages": HI, "max_tokens": 0}, 400, "max_tokens must be", "max_tokens"),
+    ({"messages": HI, "max_tokens": 20000}, 400, "at most", "max_tokens"),
+    ({"messages": HI, "max_tokens": 2147483648}, 400, "context is 8192", "max_tokens"),
+    ({"messages": HI, "max_completion_tokens": 20000}, 400, "max_completion_tokens is 20000",
+     "max_completion_tokens"),
+    ({"messages": HI, "beam_width": 100000}, 400, "beam_width must be", "beam_width"),
+    ({"messages": HI, "drafter_vocab": -1}, 400, "drafter_vocab must be", "drafter_vocab"),
+    ({"messages": HI, "draft": "warp"}, 400, "draft must be one of", "draft"),
+    ({"messages": HI, "medusa_tree": 5}, 400, "'medusa_tree' must be a string", "medusa_tree"),
+    ({"messages": HI, "medusa_tree": [1]}, 400, "'medusa_tree' must be a string", "medusa_tree"),
+    ({"messages": HI, "medusa_tree": "oak"}, 400, "medusa_tree: unknown Medusa tree", "medusa_tree"),
+    ({"messages": HI, "accept": "bogus"}, 400, "accept must be", "accept"),
+    ({"messages": HI, "typical_eps": 5}, 400, "typical_eps must be", "typical_eps"),
+    ({"messages": HI, "typical_delta": -1}, 400, "typical_delta must be", "typical_delta"),
+    ({"messages": HI, "seed": -5}, 400, "seed", "seed"),
+    ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'", "stop"),
+    ({"messages": HI, "tools": [{"type": "function"}]}, 400, "not supported", "tools"),
+    ({"messages": []}, 400, "messages", "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role", "messages"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content is not valid", "messages"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context", "messages"),
+    ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, "larger than", None),
 ]
 
 
-@pytest.mark.parametrize("body,status,needle", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
-def test_bad_requests_get_a_json_error_and_the_server_goes_on(server, body, status, needle):
+@pytest.mark.parametrize("body,status,needle,param", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_a_json_error_and_the_server_goes_on(server, body, status, needle, param):
     data = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(f"{server}/v1/chat/completions", content=data, timeout=60,
                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] and "Traceback" not in r.text
+    assert "--" not in err["message"] and (param is None or err["param"] == param), err  # request fields, not flags
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_the_capacity_is_max_active_running_plus_max_queued_waiting(lm):
+    loop = asyncio.new_event_loop()
+    try:
+        for active, queued in ((1, 0), (2, 1)):
+            scheduler = Scheduler(lm, max_active=active, max_queued=queued)  # not started: jobs stay queued
+            for _ in range(active + queued):
+                scheduler.submit(Job([1, 2], DecodeOptions(max_tokens=4), [], loop))
+            with pytest.raises(ApiError) as e:
+                scheduler.submit(Job([1, 2], DecodeOptions(max_tokens=4), [], loop))
+            assert e.value.status == 429
+    finally:
+        loop.close()
+
+
+def test_serve_on_a_port_in_use_fails_at_once_with_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mlx_redrafter.cmd.main", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120, env=_env(tmp_path), stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "in use" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
 
 
 def test_routes_and_keys(server):
     assert httpx.get(f"{server}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}x"}).status_code == 401
+    one = httpx.get(f"{server}/v1/models/smollm2-135m", headers={"Authorization": f"Bearer {KEY}"})
+    assert one.status_code == 200 and one.json()["id"] == "smollm2-135m"
+    other = httpx.get(f"{server}/v1/models/gpt-17", headers={"Authorization": f"Bearer {KEY}"})
+    assert other.status_code == 404 and other.json()["error"]["type"] == "not_found_error"
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": _chat()})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     page = httpx.get(f"{server}/")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import socket
+
 import typer
 
 from mlx_redrafter.cmd import common as c
@@ -39,6 +42,7 @@ def serve(
                             ("--prompt-cache", prompt_cache, 0)):
         if not lo <= value <= 1024:
             raise UserError(f"{name} must be from {lo} to 1024 (got {value})")
+    check_address(host, port)  # before the model loads: a port in use fails in a moment, not after the load
     res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
     lm = api.load(model, drafter if wants_drafter(res.options.draft) else "none", res.dtype)
     api.draft_mode(lm, res.options)  # a mode the loaded drafter cannot serve fails now
@@ -53,3 +57,17 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
         scheduler.stop()
+
+
+def check_address(host: str, port: int) -> None:
+    """A one-line UserError unless the server could listen on (host, port) now (as uvicorn binds it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except socket.gaierror as e:
+        raise UserError(f"cannot serve on --host {host!r}: {e.strerror or e}") from None
+    except OSError as e:
+        hint = ": stop what uses it or pick another --port" if e.errno == errno.EADDRINUSE else ""
+        raise UserError(f"cannot serve on {host}:{port}: {e.strerror or e}{hint}") from None

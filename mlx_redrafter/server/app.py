@@ -3,6 +3,7 @@
     GET  /                      a chat page that colours each token by where it came from
     GET  /health                liveness and load
     GET  /v1/models             the served model
+    GET  /v1/models/{id}        the served model by its id (404 for any other)
     POST /v1/chat/completions   chat (stream or not)
     POST /v1/completions        raw text (stream or not)
 
@@ -12,6 +13,7 @@ Every failure is OpenAI's JSON error object with its status; nothing here touche
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +22,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_redrafter import api
 from mlx_redrafter.errors import UserError
@@ -30,6 +34,7 @@ from mlx_redrafter.server.protocol import ApiError
 from mlx_redrafter.server.scheduler import Event, Job, Scheduler
 
 MAX_BODY = 1 << 20  # bytes of a request body
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, api_key: str | None = None) -> FastAPI:
@@ -38,16 +43,7 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
     served = lm.target.name
     started = int(time.time())
 
-    @app.middleware("http")
-    async def limits(request: Request, call_next: Any) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
-            return _error(ApiError(413, f"the request body is larger than {MAX_BODY} bytes"))
-        if api_key and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            return _error(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                   kind="authentication_error"))
-        return await call_next(request)
+    app.add_middleware(_Gate, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -66,10 +62,19 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": served, **scheduler.load()}
 
+    model = {"id": served, "object": "model", "created": started, "owned_by": "redrafter-mlx",
+             "drafter": lm.drafter_name}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served, "object": "model", "created": started,
-                                            "owned_by": "redrafter-mlx", "drafter": lm.drafter_name}]}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        if model_id != served:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves {served!r}", "model",
+                           "not_found_error")
+        return model
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> str:
@@ -79,29 +84,15 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
         raw = await request.body()
         if len(raw) > MAX_BODY:
             raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-        req = protocol.parse(body, kind, served, base)
+        req = protocol.parse(_json(raw), kind, served, base)
         ids = _encode(lm, req)
-        job = Job(ids, req.options, req.stop, asyncio.get_running_loop())
+        job = Job(ids, _fit(lm, req, len(ids)), req.stop, asyncio.get_running_loop())
         scheduler.submit(job)
         if req.stream:
             return StreamingResponse(_stream(req, job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            text, finish, use = [], "stop", {}
-            while True:
-                ev = await job.queue.get()
-                if ev.kind == "text":
-                    text += [t for t, _ in ev.pieces]
-                elif ev.kind == "done":
-                    finish, use = ev.finish, ev.usage
-                    break
-                else:
-                    raise ev.error
-            return JSONResponse(protocol.completion(req, "".join(text), finish, use))
+            return await _answer(request, req, job)
         finally:
             job.cancel()  # a client that went away while waiting stops its request
 
@@ -116,8 +107,51 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
     return app
 
 
+class _Gate:
+    """Refuses a request before its route runs: a body over MAX_BODY (413), a missing or wrong API key on /v1/
+    (401). Plain ASGI, so that a route still sees its client disconnect (`Request.is_disconnected`)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = _refusal(Headers(scope=scope), scope["path"], self.api_key)
+            if refusal is not None:
+                await _error(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _refusal(headers: Headers, path: str, api_key: str | None) -> ApiError | None:
+    size = headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
+        return ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
+    if api_key and path.startswith("/v1/") and not _authorized(headers.get("authorization"), api_key):
+        return ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", kind="authentication_error")
+    return None
+
+
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _authorized(header: str | None, api_key: str) -> bool:
+    """Whether an Authorization header carries `api_key` as a bearer token (scheme in any case, compared in
+    constant time)."""
+    scheme, _, token = (header or "").strip().partition(" ")
+    given = token.strip().encode("latin-1")  # the header's own bytes (HTTP headers arrive decoded as latin-1)
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode("utf-8", "surrogateescape"))
+
+
+def _json(raw: bytes) -> Any:
+    """The parsed request body; a 400 for anything that is not JSON (or nests too deeply to parse)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to parse") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
 
 
 def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[int]:
@@ -135,6 +169,50 @@ def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[int]:
         raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten it",
                        "messages" if req.kind == "chat" else "prompt")
     return ids
+
+
+def _fit(lm: api.LoadedModel, req: protocol.Request, prompt_tokens: int) -> DecodeOptions:
+    """The request's options with max_tokens within the room the context leaves after the prompt: a request that
+    asks for more is a 400 (as vLLM answers), the server's default is cut to fit."""
+    ctx = lm.target.model.args.max_position_embeddings
+    room = ctx - prompt_tokens
+    asked = req.options.max_tokens
+    if req.max_tokens_field is not None and asked > room:
+        raise ApiError(400, f"{req.max_tokens_field} is {asked} but at most {room} new tokens fit: the model's context "
+                            f"is {ctx} tokens and the prompt has {prompt_tokens}", req.max_tokens_field)
+    return req.options.updated(max_tokens=min(asked, room))
+
+
+async def _answer(request: Request, req: protocol.Request, job: Job) -> Response:
+    """The whole answer once the job is done; an empty response if the client went away first (the caller
+    cancels the job)."""
+    text, finish, use = [], "stop", {}
+    while True:
+        ev = await _next_event(request, job)
+        if ev is None:
+            return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
+        if ev.kind == "text":
+            text += [t for t, _ in ev.pieces]
+        elif ev.kind == "done":
+            finish, use = ev.finish, ev.usage
+            break
+        else:
+            raise ev.error
+    return JSONResponse(protocol.completion(req, "".join(text), finish, use))
+
+
+async def _next_event(request: Request, job: Job) -> Event | None:
+    """The job's next event, or None once the client has disconnected."""
+    get = asyncio.ensure_future(job.queue.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return get.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        get.cancel()
 
 
 async def _stream(req: protocol.Request, job: Job) -> AsyncIterator[str]:

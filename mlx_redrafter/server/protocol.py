@@ -6,6 +6,7 @@ the same one-line message, here as a 400 JSON error naming the field.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,11 +17,14 @@ from mlx_redrafter.options import DecodeOptions
 
 # Request fields that select how to decode, by their flat option names (draft modes, shapes, sampling).
 DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup", "lookup_max_length",
-                 "answers_width", "drafter_vocab", "medusa_tree", "temperature", "top_p", "top_k", "min_p", "seed")
+                 "answers_width", "drafter_vocab", "medusa_tree", "temperature", "top_p", "top_k", "min_p", "seed",
+                 "accept", "typical_eps", "typical_delta")
+TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields that take a string
+MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprobs": None, "logit_bias": None,
                "presence_penalty": 0, "frequency_penalty": 0, "response_format": None, "suffix": None, "echo": False,
                "best_of": 1}  # field -> the value that means "not used"
-ROLES = ("system", "user", "assistant")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 MAX_STOPS = 4
 
 
@@ -48,12 +52,22 @@ class Request:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    max_tokens_field: str | None = None  # the request field that set options.max_tokens (None: the default)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
+
+
+def _text(value: str, where: str, param: str) -> str:
+    """`value`, unless it holds what UTF-8 cannot encode (a lone surrogate from a JSON \\ud800 escape)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(f"{where} is not valid Unicode text (it holds a lone surrogate)", param) from None
+    return value
 
 
 def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
@@ -70,8 +84,8 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     for name, unused in UNSUPPORTED.items():
         if name in body and body[name] not in (unused, None):
             raise _bad(f"{name!r} is not supported by this server", name)
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise _bad(f"'n' must be 1 (one completion per request; got {n!r})", "n")
     req = Request(kind=kind, model=served)
     if kind == "chat":
@@ -85,7 +99,7 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
         if not isinstance(opts, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
         req.include_usage = _bool(opts, "include_usage", False)
-    req.options = _options(body, base)
+    req.options, req.max_tokens_field = _options(body, base)
     return req
 
 
@@ -103,7 +117,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise _bad(f"messages[{i}] must be an object with a role of {', '.join(ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
@@ -113,7 +127,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": ROLES[m["role"]], "content": _text(content, f"messages[{i}].content", "messages")})
     if not any(m["content"].strip() for m in out):
         raise _bad("the messages are empty", "messages")
     return out
@@ -126,7 +140,7 @@ def _prompt(prompt: Any) -> str:
         raise _bad("'prompt' must be one string", "prompt")
     if not prompt.strip():
         raise _bad("the prompt is empty", "prompt")
-    return prompt
+    return _text(prompt, "'prompt'", "prompt")
 
 
 def _stop(stop: Any) -> list[str]:
@@ -135,23 +149,54 @@ def _stop(stop: Any) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
         raise _bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
-    return stops
+    return [_text(s, "'stop'", "stop") for s in stops]
 
 
-def _options(body: dict, base: DecodeOptions) -> DecodeOptions:
+def _options(body: dict, base: DecodeOptions) -> tuple[DecodeOptions, str | None]:
+    """The decoding options a body asks for over `base`, and which field set max_tokens (None: none did).
+    Each field is checked on its own, so an error names the field that is wrong."""
     flat = {k: body[k] for k in DECODE_FIELDS if body.get(k) is not None}
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        flat["max_tokens"] = limit
+    limit_field = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    if limit_field is not None:
+        flat["max_tokens"] = body[limit_field]
+    aliases = {"max_tokens": limit_field} if limit_field else {}
+    for k, value in flat.items():
+        if k in TEXT_FIELDS:
+            if not isinstance(value, str):
+                raise _bad(f"'{k}' must be a string (got {value!r})", k)
+            _text(value, f"'{k}'", k)
+        _checked(base, {k: value}, aliases.get(k, k), aliases)
+    temperature = flat.get("temperature")
+    if temperature is not None and temperature > MAX_TEMPERATURE:
+        raise _bad(f"temperature must be from 0 to {MAX_TEMPERATURE:g} (got {temperature!r})", "temperature")
+    return _checked(base, flat, None, aliases), limit_field
+
+
+def _checked(base: DecodeOptions, flat: dict[str, Any], field: str | None, aliases: dict[str, str]) -> DecodeOptions:
+    """`base` updated by `flat` and checked; a bad value is a 400 naming `field` (and the request's field names
+    where the option groups name CLI flags)."""
     try:
         options = base.updated(**flat)
         options.check()
     except UserError as e:
-        param = next((k for k in flat if k.replace("_", "-") in str(e) or k in str(e)), None)
-        raise _bad(str(e).replace("--", ""), param) from None
-    except TypeError as e:
-        raise _bad(f"a decoding field has the wrong type ({e})") from None
+        message = _field_names(str(e), aliases)
+        if field is not None and field not in message:
+            message = f"{field}: {message}"
+        raise _bad(message, field) from None
     return options
+
+
+_FLAG = re.compile(r"--([a-z][a-z-]*)")
+_FLAG_FIELDS = {"temp": "temperature"}  # CLI flags whose request field is not the flag's own name
+
+
+def _field_names(message: str, aliases: dict[str, str]) -> str:
+    """An option group's message with its CLI flags (--temp, --drafter-vocab) as request fields; `aliases` renames
+    a field (max_tokens given as max_completion_tokens)."""
+    def field(m: re.Match) -> str:
+        name = _FLAG_FIELDS.get(m.group(1), m.group(1).replace("-", "_"))
+        return aliases.get(name, name)
+    return _FLAG.sub(field, message)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int, stats: Any, draft: str) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """The scheduler: one thread owns the model and serves every active request one target call at a time.
 
-Requests wait in a bounded queue; up to `max_active` run at once, each advanced by one step (one record of
-`api.decode`) per turn, round robin, so a long answer never stalls a short one for more than a step. A request
-whose client went away is closed at its next turn (its cache settles, see generate.py). Finished requests leave
-their KV cache in a small LRU keyed by the tokens it holds, and a request that starts with the same tokens (the
-earlier turns of a conversation) continues from it: only the new tokens are prefilled.
+Up to `max_active` requests run at once and `max_queued` more wait (one more is a 429), each advanced by one step
+(one record of `api.decode`) per turn, round robin, so a long answer never stalls a short one for more than a
+step. A request whose client went away is closed at its next turn (its cache settles, see generate.py). Finished
+requests leave their KV cache in a small LRU keyed by the tokens it holds, and a request that starts with the same
+tokens (the earlier turns of a conversation) continues from it: only the new tokens are prefilled.
 
 The HTTP side never touches MLX: it hands a `Job` over and reads its events. A batched stepper (several
 requests' steps in one target call) plugs in at `_turn`.
@@ -20,6 +20,7 @@ from typing import Any
 
 from mlx_redrafter import api
 from mlx_redrafter.cache import KVCache
+from mlx_redrafter.chat import common_prefix
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Record, Stats
 from mlx_redrafter.models.tokenizer import StreamingDetokenizer
@@ -67,7 +68,7 @@ class PromptCache:
         """The cache sharing the longest token prefix with `ids`, trimmed to it (at most all but the last id)."""
         best, keep = None, 0
         for key in self.items:
-            n = _common_prefix(key, ids)
+            n = common_prefix(key, ids)
             if n > keep:
                 best, keep = key, n
         if best is None:
@@ -84,14 +85,6 @@ class PromptCache:
         self.items.move_to_end(tuple(tokens))
         while len(self.items) > self.entries:
             self.items.popitem(last=False)
-
-
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class _Running:
@@ -114,6 +107,7 @@ class Scheduler:
         self.lm, self.max_active, self.max_queued = lm, max_active, max_queued
         self.prompts = PromptCache(cache_entries)
         self.waiting: deque[Job] = deque()
+        self.admitting = 0  # jobs taken from `waiting`, not yet in `active` (counted against the capacity)
         self.active: list[_Running] = []
         self.wake = threading.Condition()
         self.stopping = False
@@ -129,16 +123,18 @@ class Scheduler:
         self.thread.join(timeout=30)
 
     def submit(self, job: Job) -> None:
-        """Queue a job; a full queue is a 429 with Retry-After."""
+        """Queue a job; beyond max_active running + max_queued waiting it is a 429 with Retry-After."""
         with self.wake:
-            if len(self.waiting) >= self.max_queued:
+            if len(self.waiting) + self.admitting + len(self.active) >= self.max_active + self.max_queued:
                 raise ApiError(429, f"the server is busy ({len(self.active)} requests running, {len(self.waiting)} "
                                     f"waiting): retry shortly", kind="rate_limit_error", headers={"Retry-After": "1"})
             self.waiting.append(job)
             self.wake.notify()
 
     def load(self) -> dict[str, int]:
-        return {"active": len(self.active), "waiting": len(self.waiting)}
+        """Requests running and waiting."""
+        with self.wake:
+            return {"active": len(self.active) + self.admitting, "waiting": len(self.waiting)}
 
     def _run(self) -> None:
         while True:
@@ -150,6 +146,7 @@ class Scheduler:
                 admitted = []
                 while self.waiting and len(self.active) + len(admitted) < self.max_active:
                     admitted.append(self.waiting.popleft())
+                self.admitting = len(admitted)
             for job in admitted:
                 self._admit(job)
             for run in list(self.active):
@@ -158,15 +155,26 @@ class Scheduler:
             run.records.close()
 
     def _admit(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            return
+        run = None
         try:
-            cache, keep = self.prompts.take(job.ids)
-            if cache is None:
-                cache = self.lm.target.model.make_cache(len(job.ids) + job.options.max_tokens + 64)
-            self.active.append(_Running(job, self.lm, cache, keep))
-        except UserError as e:
-            job.put(Event("error", error=ApiError(400, str(e))))
+            if not job.cancelled.is_set():
+                run = self._start(job)
+        except Exception as e:  # a failure of one request must not stop the others
+            job.put(Event("error", error=_failure(e)))
+        finally:
+            with self.wake:
+                self.admitting -= 1
+                if run is not None:
+                    self.active.append(run)
+
+    def _start(self, job: Job) -> _Running:
+        """The job with its cache: a finished request's that shares its prefix, else a new one sized for the
+        prompt and at most the answer the context has room for."""
+        cache, keep = self.prompts.take(job.ids)
+        if cache is None:
+            room = self.lm.target.model.args.max_position_embeddings - len(job.ids)
+            cache = self.lm.target.model.make_cache(len(job.ids) + min(job.options.max_tokens, room) + 64)
+        return _Running(job, self.lm, cache, keep)
 
     def _turn(self, run: _Running) -> None:
         """Advance one job by one target call."""
@@ -194,18 +202,27 @@ class Scheduler:
                 self._finish(run, "stop" if hit or record.stop == "eos" else "length")
         except Exception as e:  # a failure of one request must not stop the others
             run.records.close()
+            self._drop(run)
+            job.put(Event("error", error=_failure(e)))
+
+    def _drop(self, run: _Running) -> None:
+        with self.wake:
             self.active.remove(run)
-            status = 400 if isinstance(e, UserError) else 500
-            job.put(Event("error", error=ApiError(status, f"{type(e).__name__}: {e}" if status == 500 else str(e),
-                                                  kind="server_error" if status == 500 else "invalid_request_error")))
 
     def _finish(self, run: _Running, finish: str, notify: bool = True) -> None:
         run.records.close()  # the cache now holds the prompt and every emitted token
-        self.active.remove(run)
+        self._drop(run)
         self.prompts.put(run.job.ids + run.tokens, run.cache)
         if notify:
             run.job.put(Event("done", finish=finish, usage=usage(len(run.job.ids), len(run.tokens), run.keep,
                                                                  run.stats, run.draft)))
+
+
+def _failure(e: Exception) -> ApiError:
+    """A request's failure as its error: a 400 for bad input, else a 500 naming the cause."""
+    if isinstance(e, UserError):
+        return ApiError(400, str(e))
+    return ApiError(500, f"{type(e).__name__}: {e}", kind="server_error")
 
 
 def _pieces(detok: StreamingDetokenizer, r: Record) -> list[tuple[str, str]]:
