@@ -79,8 +79,8 @@ def sweep(
                                               "head is frequency-ordered and larger, else all]."),
     lookup_max_lengths: str = typer.Option(str(DEFAULT_LOOKUP_MAX_LENGTH), help="Longest lookup copies of the lookup "
                                            "modes, comma-separated (e.g. 0,9: fixed-length copies vs growing)."),
-    drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup, lookup-else-rnn "
-                                                 "(default: all four with a drafter, else lookup)."),
+    drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup, lookup-else-rnn, "
+                                                 "medusa, semi_ar (default: lookup and the drafter's own modes)."),
     dtypes: str = typer.Option("auto", help="Comma-separated dtypes. " + c.DTYPE_HELP),
     max_tokens: int | None = typer.Option(None, help=f"New tokens per prompt (default {BENCH_GRID['max_tokens']})."),
     num_prompts: int | None = typer.Option(None, help="Prompts, spread over the file "

@@ -22,7 +22,7 @@ class BenchSpec:
     device: str
     model: str | None = None
     drafter: str = "default"
-    drafts: str | None = None  # comma list; None: SWEEP_DRAFTS with a drafter, else lookup
+    drafts: str | None = None  # comma list; None: the swept rows of draft/modes.py the drafter serves
     dtypes: list[str] = field(default_factory=lambda: ["auto"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     accepts: list[str] = field(default_factory=lambda: ["exact"])  # acceptance rules measured at T > 0
@@ -71,7 +71,7 @@ def configs_for(spec: BenchSpec, lm: Any) -> list[Any]:
     """AR, mlx-lm (optional) and every cell, per temperature."""
     from mlx_redrafter import sweep
 
-    drafts = sweep.parse_drafts(spec.drafts, lm.drafter is not None)
+    drafts = sweep.sweep_drafts(spec.drafts, lm.drafter_kind)
     configs = []
     for s in samplings(spec.temperatures, spec.accepts):
         names = {c.name for c in configs}  # AR at T runs once, whatever the rules compared at T
@@ -126,7 +126,7 @@ def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = Tr
     from . import plots, report
 
     spec.check()
-    sweep.parse_drafts(spec.drafts, has_drafter=True)  # syntax, before loading anything
+    sweep.parse_drafts(spec.drafts)  # syntax, before loading anything
     prompts = first_turns(spec.prompts_file, spec.num_prompts, spread=True)
     out = out_root / spec.device  # created by the first write
     run_id = time.strftime("%Y%m%d-%H%M%S")

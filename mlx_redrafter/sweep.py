@@ -25,12 +25,12 @@ from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
-    SWEEP_DRAFTS,
     TUNE_MIN_SPEEDUP,
     TUNE_MIN_TOKENS_PER_STEP,
     WARMUP_TOKENS,
 )
-from mlx_redrafter.draft.modes import MODES
+from mlx_redrafter.draft import modes
+from mlx_redrafter.draft.modes import DRAFTER_NAMES, MODES, Mode
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Stats, collect
 from mlx_redrafter.sampling import GREEDY, Sampling
@@ -52,21 +52,22 @@ class Config:
     @property
     def is_ar(self) -> bool:
         """Our own plain autoregressive decoding: the reference of the speedups."""
-        return self.decoder is None and not MODES[self.options.draft].drafts
+        return self.decoder is None and not modes.get(self.options.draft).drafts
 
 
-def config_name(draft: str, width: int = 0, length: int = 0, sampling: Sampling = GREEDY) -> str:
+def config_name(draft: str | Mode, width: int = 0, length: int = 0, sampling: Sampling = GREEDY) -> str:
     """Stable name of a configuration, e.g. 'ar', 'rnn-w2-l3', 'lookup-w1-l4@t0.7', 'rnn-w1-l3@t0.7-typical'
     (AR samples the same way whatever the acceptance rule, so its name has no rule)."""
-    drafts = MODES[draft].drafts
-    name = f"{draft}-w{width}-l{length}" if drafts else "ar"
+    mode = modes.get(draft)
+    drafts = mode.drafts
+    name = f"{mode.name}-w{width}-l{length}" if drafts else "ar"
     if sampling.greedy:
         return name
     rule = "-typical" if sampling.accept == "typical" and drafts else ""
     return f"{name}@t{sampling.temperature:g}{rule}"
 
 
-def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_tokens: int,
+def grid_configs(drafts: list[str | Mode], widths: list[int], lengths: list[int], max_tokens: int,
                  sampling: Sampling = GREEDY, lookup_width: int = DEFAULT_LOOKUP_WIDTH,
                  answers_widths: tuple[int, ...] = (DEFAULT_ANSWERS_WIDTH,),
                  drafter_vocabs: tuple[int | None, ...] = (None,),
@@ -79,7 +80,7 @@ def grid_configs(drafts: list[str], widths: list[int], lengths: list[int], max_t
     base = DecodeOptions(draft="none", max_tokens=max_tokens, sampling=sampling)
     configs = [Config(config_name("none", sampling=sampling), base)]
     for draft in drafts:
-        mode = MODES[draft]
+        mode = modes.get(draft)
         copies = mode.uses("lookup")
         for w in widths:
             for length in lengths:
@@ -128,20 +129,33 @@ def print_progress(what: str, done: int, total: int) -> None:
     print(f"{chr(13) if tty else ''}[{done}/{total}] {what:<48}", end=end, file=sys.stderr, flush=True)
 
 
-def parse_drafts(text: str | None, has_drafter: bool) -> list[str]:
-    """Draft modes from a comma list (default: SWEEP_DRAFTS with a drafter, else lookup only)."""
+def parse_drafts(text: str | None) -> list[str] | None:
+    """Draft mode names from a --drafts comma list (None when not given); a one-line UserError for a name that
+    is not a drafting mode."""
     if text is None:
-        return list(SWEEP_DRAFTS) if has_drafter else ["lookup"]
+        return None
     drafts = [d.strip() for d in text.split(",") if d.strip()]
     drafting = [m.name for m in MODES.values() if m.drafts]
     bad = [d for d in drafts if d not in drafting]
     if bad or not drafts:
         raise UserError(f"--drafts takes a comma list of {', '.join(drafting)} (got {text!r})")
-    needy = [d for d in drafts if MODES[d].drafter is not None]
-    if not has_drafter and needy:
-        raise UserError(f"--drafts {', '.join(needy)} need a drafter, and there is none: pass --drafter DIR (or "
-                        "random:0 for a smoke run), or --drafts lookup")
     return list(dict.fromkeys(drafts))
+
+
+def sweep_drafts(text: str | None, drafter_kind: str | None) -> list[str]:
+    """The draft modes a sweep measures with a drafter of this kind (None: none loaded): those of --drafts, or by
+    default the table's swept rows it can serve (`modes.swept`). A named mode needing another drafter is a
+    one-line UserError."""
+    named = parse_drafts(text)
+    if named is None:
+        return [m.name for m in modes.swept(drafter_kind)]
+    needy = [d for d in named if MODES[d].drafter not in (None, drafter_kind)]
+    if needy:
+        kinds = sorted({DRAFTER_NAMES[MODES[d].drafter] for d in needy})
+        loaded = f"a {DRAFTER_NAMES[drafter_kind]} drafter is loaded" if drafter_kind else "there is none"
+        raise UserError(f"--drafts {', '.join(needy)} need a {' or '.join(kinds)} drafter, and {loaded}: pass "
+                        "--drafter DIR with one (or random:0 for a smoke run of rnn modes), or --drafts lookup")
+    return named
 
 
 def sweep(lm: LoadedModel, prompts: list[dict], configs: list[Config], repeats: int = 1,
@@ -318,12 +332,12 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
 
 def is_cell(s: dict[str, Any]) -> bool:
     """A speculative configuration of ours (not AR, not an external baseline)."""
-    return s["decoder"] == "ours" and MODES[s["draft"]].drafts
+    return s["decoder"] == "ours" and modes.get(s["draft"]).drafts
 
 
 def cell_width(s: dict[str, Any]) -> int:
     """A cell's width as the grid names it (`Mode.width`): W of a drafter, the lookup width, or tree nodes."""
-    option = MODES[s["draft"]].width
+    option = modes.get(s["draft"]).width
     if option == "medusa_tree":
         tree = str(s.get("medusa_tree", ""))
         return int(tree.rsplit(":", 1)[1]) if ":" in tree else 0
@@ -357,7 +371,7 @@ def decide(summary: list[dict[str, Any]], min_speedup: float = TUNE_MIN_SPEEDUP,
     per_dtype = best_cells(eligible, key=lambda s: (s["dtype"],))
     runner_up = best_cells(summary, key=lambda s: (s["dtype"],))
     options = []
-    for ar in (s for s in summary if s["decoder"] == "ours" and not MODES[s["draft"]].drafts):
+    for ar in (s for s in summary if s["decoder"] == "ours" and not modes.get(s["draft"]).drafts):
         cell = per_dtype.get((ar["dtype"],))
         if cell is not None:  # settings report 0 for a width the draft mode does not use: leave those out
             shape = {k: cell[k] for k in ("beam_width", "beam_length", "lookup_width") if cell[k] > 0}

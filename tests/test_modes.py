@@ -81,3 +81,27 @@ def test_a_mode_of_the_tests_own_table_runs_through_the_api(target, drafters):
     assert set(res.stats.source_proposed) == {"lookup", "rnn"} and res.settings["answers_width"] == 0
     assert [(s.source.name, s.backs_up) for s in api.make_allocator(lm, api.decode_options(
         draft=table["suffix-else-rnn"])).slots] == [("lookup", None), ("rnn", "lookup")]
+
+
+def test_a_sweep_measures_by_default_the_swept_rows_the_drafter_serves():
+    from mlx_redrafter.sweep import sweep_drafts
+
+    assert sweep_drafts(None, None) == ["lookup"]
+    assert sweep_drafts(None, "rnn") == ["rnn", "lookup", "rnn+lookup", "lookup-else-rnn"]
+    assert sweep_drafts(None, "medusa") == ["lookup", "medusa"]
+    assert sweep_drafts(None, "semi_ar") == ["lookup", "semi_ar"]
+    assert sweep_drafts("medusa,lookup", "medusa") == ["medusa", "lookup"]
+    with pytest.raises(UserError, match="--drafts rnn need a ReDrafter .rnn. drafter, and a Medusa drafter is"):
+        sweep_drafts("rnn,lookup", "medusa")
+    with pytest.raises(UserError, match="--drafts medusa need a Medusa drafter, and there is none"):
+        sweep_drafts("medusa", None)
+
+
+def test_sweep_configs_take_a_mode_of_the_tests_own_table():
+    from mlx_redrafter.sweep import config_name, grid_configs
+
+    mine = Mode("suffix-else-rnn", (("lookup", None), ("rnn", "lookup")), drafter="rnn")
+    configs = grid_configs([mine], [1], [3], max_tokens=4)
+    assert [c.name for c in configs] == ["ar", "suffix-else-rnn-w1-l3"]
+    assert [c.is_ar for c in configs] == [True, False]
+    assert config_name(MODES["none"]) == "ar"

@@ -120,3 +120,18 @@ def test_decide_rules():
     fp16 = _cell("rnn-w2-l4", "rnn", 1.8, 1.04, 20.8, "float16")
     got = decide([ar, good, mlx_lm, fp16_ar, fp16], 1.03)
     assert (got["decision"], got["dtype"], got["beam_width"]) == ("speculative", "float16", 2)
+
+
+def test_tune_by_default_sweeps_the_modes_a_medusa_drafter_serves(tuned_file, tmp_path, target):
+    """No --drafts: lookup and the drafter's own rows of the mode table, not the ReDrafter's."""
+    from mlx_redrafter.draft.medusa import random_medusa
+    from mlx_redrafter.draft.redrafter import save_drafter
+
+    args = target.model.args
+    path = save_drafter(random_medusa(args.hidden_size, args.vocab_size, seed=0, num_heads=3,
+                                      draft_vocab_size=2048), tmp_path / "medusa")
+    res = CliRunner().invoke(app, ["tune", "--drafter", str(path), "--widths", "2", "--lengths", "3",
+                                   "--num-prompts", "1", "--max-tokens", "4", "--min-speedup", "1000", "--force"])
+    assert res.exit_code == 0, res.output
+    (entry,) = json.loads(tuned_file.read_text())["entries"].values()
+    assert [c["config"] for c in entry["cells"]] == ["ar", "lookup-w2-l3", "medusa-w2-l3"]

@@ -17,6 +17,7 @@ from mlx_redrafter.defaults import (
     DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
 )
+from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.modes import MODES
 from mlx_redrafter.errors import UserError
 
@@ -138,9 +139,9 @@ def with_decode_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         flags = {name: kwargs.pop(name) for name in DECODE_FLAGS}
         if flags.pop("no_draft"):
-            if flags["draft"] not in (None, "none"):
+            if flags["draft"] is not None and modes.drafts(flags["draft"]):
                 raise UserError(f"--no-draft and --draft {flags['draft']} contradict each other: give one")
-            flags["draft"] = "none"
+            flags["draft"] = modes.NO_DRAFT
         return fn(*args, flags=flags, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=[*own, *extra])
@@ -162,7 +163,7 @@ def decoding_notes(lm: Any, res: Any) -> list[str]:
     """One-line notes on how decoding will run that a user would not guess: drafting by lookup because no drafter
     was found for `auto`, a tuned plain-AR entry overridden by a drafting flag."""
     notes = list(res.notes)
-    if res.options.draft == "auto" and lm.drafter is None:
+    if res.options.draft == modes.AUTO and lm.drafter is None:
         notes.append(f"no drafter for {lm.target.name}: --draft auto drafts by lookup (copying from the context)")
     return notes
 

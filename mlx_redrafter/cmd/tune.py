@@ -18,8 +18,8 @@ def tune(
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     drafter: str = typer.Option("default", help=c.DRAFTER_HELP),
     drafts: str | None = typer.Option(None, help="Draft modes to try, comma-separated: rnn, lookup, rnn+lookup, "
-                                                 "lookup-else-rnn (default: all four with a drafter, else "
-                                                 "lookup)."),
+                                                 "lookup-else-rnn, medusa, semi_ar (default: lookup and the "
+                                                 "drafter's own modes)."),
     widths: str = typer.Option(",".join(map(str, TUNE_GRID["widths"])),
                                help="Widths: W for rnn modes, lookup width for lookup; comma-separated."),
     lengths: str = typer.Option(",".join(map(str, TUNE_GRID["lengths"])),
@@ -47,7 +47,7 @@ def tune(
         raise UserError("--dtypes is empty")
     if max_tokens < 2:
         raise UserError(f"--max-tokens must be >= 2 (got {max_tokens})")
-    sweep.parse_drafts(drafts, has_drafter=True)  # bad input fails now, not after loading the model
+    sweep.parse_drafts(drafts)  # bad input fails now, not after loading the model
     tuning.read_all()  # a corrupt tuned file too, not after the measurement
     now = machine_now()
     if not now["quiet"] and not force:
@@ -57,7 +57,7 @@ def tune(
     prompts = first_turns(prompts_file, num_prompts, spread=True)
     for dtype in dtype_list:
         lm = api.load(model, drafter, dtype)
-        modes = sweep.parse_drafts(drafts, lm.drafter is not None)
+        modes = sweep.sweep_drafts(drafts, lm.drafter_kind)
         configs = sweep.grid_configs(modes, grid_w, grid_l, max_tokens)
         res = sweep.sweep(lm, prompts, configs, repeats, progress=sweep.print_progress)
         rows += res.rows

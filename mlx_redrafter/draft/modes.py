@@ -3,7 +3,8 @@
 Everything that names a mode (the API, the CLI, chat, tuning, sweeps, reports) reads `MODES`; adding a mode is
 one row. A row's sources are kinds of `sources.SOURCE_KINDS` in candidate order (a source that `backs_up` another
 proposes only in steps where that one proposed nothing). `auto` is not a row: it is the mode whose `auto_for`
-names the loaded drafter's kind ("none" without a drafter).
+names the loaded drafter's kind ("none" without a drafter). A sweep (`redrafter-mlx tune`, `python -m bench sweep`)
+measures by default the rows marked `swept` that the loaded drafter can serve.
 
 A mode that needs a drafter, asked for by name while none is loaded, is an error (the same in every command):
 a switch does what its name says. `auto` never is: it drafts with what there is.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from mlx_redrafter.errors import UserError
 
 AUTO = "auto"
+NO_DRAFT = "none"  # the row of plain autoregressive decoding
 DRAFTER_NAMES = {"rnn": "ReDrafter (rnn)", "medusa": "Medusa", "semi_ar": "semi-AR"}  # per drafter kind
 
 
@@ -28,6 +30,7 @@ class Mode:
     drafter: str | None = None  # the drafter kind it needs: rnn, medusa, semi_ar
     auto_for: tuple[str, ...] = ()  # drafter kinds ("none": no drafter) for which `auto` is this mode
     width: str = "beam_width"  # the option a sweep's width sets: beam_width, lookup_width or medusa_tree (nodes)
+    swept: bool = False  # measured by a sweep unless its modes are named (where its drafter kind is loaded)
     help: str = ""
 
     def uses(self, kind: str) -> bool:
@@ -41,18 +44,18 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("rnn", (("rnn", None),), drafter="rnn", help="the recurrent drafter (ReDrafter) every step"),
+    Mode("rnn", (("rnn", None),), drafter="rnn", swept=True, help="the recurrent drafter (ReDrafter) every step"),
     Mode("lookup", (("lookup", None), ("answers", "lookup")), auto_for=("none",), width="lookup_width",
-         help="copies from the context (and the answer table, where it has nothing)"),
-    Mode("rnn+lookup", (("rnn", None), ("lookup", None), ("answers", "lookup")), drafter="rnn",
+         swept=True, help="copies from the context (and the answer table, where it has nothing)"),
+    Mode("rnn+lookup", (("rnn", None), ("lookup", None), ("answers", "lookup")), drafter="rnn", swept=True,
          help="both every step"),
     Mode("lookup-else-rnn", (("lookup", None), ("answers", "lookup"), ("rnn", "lookup")), drafter="rnn",
-         auto_for=("rnn",), help="the drafter only in steps where lookup finds nothing to copy"),
+         auto_for=("rnn",), swept=True, help="the drafter only in steps where lookup finds nothing to copy"),
     Mode("medusa", (("medusa", None),), drafter="medusa", auto_for=("medusa",), width="medusa_tree",
-         help="a Medusa drafter's static tree"),
-    Mode("semi_ar", (("semi_ar", None),), drafter="semi_ar", auto_for=("semi_ar",),
+         swept=True, help="a Medusa drafter's static tree"),
+    Mode("semi_ar", (("semi_ar", None),), drafter="semi_ar", auto_for=("semi_ar",), swept=True,
          help="a semi-autoregressive drafter's beams"),
-    Mode("none", (), width="", help="plain autoregressive decoding"),
+    Mode(NO_DRAFT, (), width="", help="plain autoregressive decoding"),
 )}
 CHOICES = (AUTO, *MODES)  # what --draft accepts
 
@@ -66,6 +69,16 @@ def check_mode(draft: str | Mode) -> None:
 def wants_drafter(draft: str | Mode) -> bool:
     """Whether decoding with `draft` would use a drafter if one is available ('auto' would)."""
     return draft == AUTO or get(draft).drafter is not None
+
+
+def drafts(draft: str | Mode) -> bool:
+    """Whether decoding with `draft` drafts at all ('auto' does: by lookup where there is no drafter)."""
+    return draft == AUTO or get(draft).drafts
+
+
+def swept(drafter_kind: str | None) -> list[Mode]:
+    """The rows a sweep measures unless told which: those marked `swept` that need no drafter or this kind."""
+    return [m for m in MODES.values() if m.swept and m.drafter in (None, drafter_kind)]
 
 
 def get(draft: str | Mode) -> Mode:
