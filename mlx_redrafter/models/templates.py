@@ -49,7 +49,6 @@ CHATML = (
 )
 
 BUILTIN = {"vicuna": VICUNA, "chatml": CHATML}
-TEMPLATE_CHOICES = ("own", *BUILTIN, "FILE.jinja")
 
 
 def pick_template(own: str | None, kind: str | None = None, name_hint: str = "") -> tuple[str | None, str]:
@@ -222,15 +221,17 @@ def render(template: str, messages: list[dict[str, str]], *, bos_token: str = ""
     try:
         return _Budget().run(run)
     except TemplateRaised as e:
-        raise UserError(f"{name} refused the messages: {_first_line(e)}") from None
+        raise UserError(f"{name} refused the messages: {first_line(e)}") from None
     except _OverBudget as e:
         raise UserError(f"{name} was stopped: {e}; fix or replace the template (--template)") from None
     except jinja2.TemplateSyntaxError as e:
-        raise UserError(f"{name} does not parse: {_first_line(e)} (line {e.lineno})") from None
+        raise UserError(f"{name} does not parse: {first_line(e)} (line {e.lineno})") from None
     except (Exception, RecursionError) as e:  # the template's own errors: ZeroDivisionError, TypeError, ...
-        raise UserError(f"{name} failed: {type(e).__name__}: {_first_line(e)}") from None
+        raise UserError(f"{name} failed: {type(e).__name__}: {first_line(e)}") from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (at most 200 characters), or its type's name when it has none:
+    for one-line errors about a file's content."""
     text = str(e).strip()
-    return text.splitlines()[0][:200] if text else "(no message)"
+    return text.splitlines()[0][:200] if text else type(e).__name__

@@ -143,7 +143,7 @@ class TextTokenizer:
             else:
                 backend = HFBackend(_bpe_from_gguf(meta, tokens))
         except Exception as e:  # sentencepiece / tokenizers reject a malformed vocabulary with long messages
-            raise UserError(f"the tokenizer in {where} cannot be built: {_first_line(e)}") from None
+            raise UserError(f"the tokenizer in {where} cannot be built: {templates.first_line(e)}") from None
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eos_ids = {eos} if eos is not None else set()
         eos_ids |= {tokens.index(n) for n in _EOS_NAMES if n in tokens}
@@ -166,7 +166,7 @@ class TextTokenizer:
             try:
                 backend: Any = HFBackend(Tokenizer.from_file(str(path / "tokenizer.json")))
             except Exception as e:  # tokenizers raises a bare Exception with a long message
-                raise UserError(f"cannot read {path / 'tokenizer.json'}: {_first_line(e)}") from None
+                raise UserError(f"cannot read {path / 'tokenizer.json'}: {templates.first_line(e)}") from None
         elif (path / "tokenizer.model").exists():
             added = {**_id_map(_read_json(path / "added_tokens.json"), path / "added_tokens.json"),
                      **_added_tokens_decoder(tcfg, path / "tokenizer_config.json")}
@@ -229,10 +229,6 @@ def _added_tokens_decoder(tcfg: dict[str, Any], where: Path) -> dict[str, int]:
                             f"{shown(k)}: {shown(v)})")
         out[text] = int(k)
     return out
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _bpe_from_gguf(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:

@@ -95,14 +95,21 @@ def _env_threads() -> int:
     return os.cpu_count() or 1
 
 
-def _cpu_has_kernel_features() -> bool:
-    """AVX-512F, or AVX2 and FMA (what the kernel is built for), by /proc/cpuinfo."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them in /proc/cpuinfo ('flags' on x86, 'Features' on Arm); empty
+    where there is no such file."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith(("flags", "Features"))),
+                        set())
     except OSError:
-        return False
-    return "avx512f" in flags or {"avx2", "fma"} <= set(flags)
+        return set()
+
+
+def _cpu_has_kernel_features() -> bool:
+    """AVX-512F, or AVX2 and FMA (what the kernel is built for)."""
+    flags = cpu_flags()
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def _load_small_gemm() -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_redrafter.system.blas import blas_name, status
+from mlx_redrafter.system.blas import blas_name, cpu_flags, status
 
 
 def _cpu_model() -> str:
@@ -42,15 +42,8 @@ _FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "neon"
 
 def _cpu_features() -> str:
     """SIMD features that matter for CPU kernels (Linux /proc/cpuinfo flags), comma-separated."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return ",".join(x for x in _FEATURES if x in have)
-    except OSError:
-        pass
-    return ""
+    have = cpu_flags()
+    return ",".join(x for x in _FEATURES if x in have)
 
 
 def _memory_gb() -> float:

@@ -32,7 +32,6 @@ from mlx_redrafter.model import Model
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
 
-DEFAULT_CACHE = Path(".cache/features")
 TOP_K = 8  # labels kept per position: the target's k most likely next tokens
 LOGIT_ROWS = 1024  # rows of vocabulary logits computed at once (49k-wide float32 rows)
 CHUNK = 128  # a long batch is fed in chunks of this many positions (causal: later chunks see earlier ones' keys)
