@@ -70,11 +70,11 @@ def compare(device_dir: Path) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     """The comparison table."""
     lines = [f"# Drafters compared on one target ({report['device']})", "",
-             "Each drafter at its best greedy float32 cell (highest mean speedup over AR; AR interleaved per prompt in "
-             "the same sweep). The rows without '(shipped)' share one corpus, one held-out slice and one budget (1000 "
-             "steps x 256 positions x 5 draft steps); '(shipped)' is the drafter in the package (see its model "
-             "card); width = W (beams) for ReDrafter and semi-AR, candidates for lookup, tree "
-             "nodes for Medusa.", "",
+             "Each drafter at its best greedy float32 cell (highest pooled speedup over AR: AR's time for the same "
+             "tokens over the cell's, over all prompts; AR interleaved per prompt in the same sweep). The rows "
+             "without '(shipped)' share one corpus, one held-out slice and one budget (1000 steps x 256 positions "
+             "x 5 draft steps); '(shipped)' is the drafter in the package (see its model card); width = W (beams) "
+             "for ReDrafter and semi-AR, candidates for lookup, tree nodes for Medusa.", "",
              "| drafter | params | train s | held-out top-1 (step 1) | width | L | tokens/call | tok/s | AR tok/s "
              "| vs AR | ids = AR | machine |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -64,7 +64,8 @@ def _baseline(summary: list[dict], cells: list[dict], decoder: str) -> dict | No
 
 
 def speedup_heatmap(summary: list[dict], title: str, path: Path) -> str:
-    """Mean speedup over our AR per (width, L); 1.0 = white, green faster, red slower."""
+    """Speedup over our AR per (width, L), pooled over the prompts (`sweep.pooled_speedup`); 1.0 = white, green
+    faster, red slower."""
     fig, panels = _panels(summary, (4.6, 4.4))
     for ax, name, cells in panels:
         widths, lengths = sorted({width_of(s) for s in cells}), sorted({s["beam_length"] for s in cells})
