@@ -5,13 +5,15 @@ Every problem is a one-line UserError."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from mlx_redrafter.draft.redrafter import check_replaceable
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.files import read_json
+from mlx_redrafter.files import check_writable_dir, read_json
 from mlx_redrafter.models import safetensors_header
 from mlx_redrafter.models.loader import DTYPES
 
@@ -53,11 +55,22 @@ def _torch_to_mx(key: str, value: Any, file: Path) -> mx.array:
 
     if not isinstance(value, torch.Tensor):
         raise UserError(f"{file}: entry {key!r} is a {type(value).__name__}, not a tensor")
+    if value.layout != torch.strided:
+        raise UserError(f"{file}: tensor {key!r} has layout {value.layout} (a sparse tensor); save it dense "
+                        f"(tensor.to_dense()) and convert again")
+    if value.is_quantized:
+        raise UserError(f"{file}: tensor {key!r} is quantized ({value.dtype}); save it dequantized "
+                        f"(tensor.dequantize()) and convert again")
+    if value.device.type == "meta":
+        raise UserError(f"{file}: tensor {key!r} is on the meta device (a shape without data); save the real "
+                        f"weights and convert again")
+    supported = (torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
+                 torch.int16, torch.int32, torch.int64)
+    if value.dtype not in supported:
+        raise UserError(f"{file}: tensor {key!r} has unsupported dtype {value.dtype}")
     t = value.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         return mx.array(t.float().numpy()).astype(mx.bfloat16)
-    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
-        raise UserError(f"{file}: tensor {key!r} has unsupported dtype {t.dtype}")
     arr = mx.array(t.numpy())
     return arr.astype(mx.float32) if arr.dtype == mx.float64 else arr
 
@@ -69,7 +82,9 @@ def _read_torch(file: Path) -> dict[str, mx.array]:
         raise UserError(f"reading {file.name} needs PyTorch: pip install 'mlx-redrafter[torch]' (or convert the "
                         f"checkpoint to safetensors)") from None
     try:
-        obj = torch.load(str(file), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's deprecation notes on old storages / quantized tensors
+            warnings.simplefilter("ignore")
+            obj = torch.load(str(file), map_location="cpu", weights_only=True)
     except Exception as e:
         msg = str(e)
         if "weights_only" in msg or "Unsupported global" in msg or "Unpickl" in type(e).__name__:
@@ -119,8 +134,11 @@ def default_out(weights_file: Path, given: Path) -> Path:
 
 
 def check_out_dir(out_dir: Path, weights_file: Path, force: bool) -> None:
-    """One-line error if `out_dir` holds something (without --force) or is the checkpoint's own directory."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+    """One-line error if `out_dir` holds something (without --force; with it, files a drafter save would not
+    write), cannot be a directory (a file, or under one), or is the checkpoint's own directory."""
+    check_writable_dir(out_dir, "output")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise UserError(f"output {out_dir} already exists: pass --force to replace it, or choose --out")
+    check_replaceable(out_dir, "output")
     if out_dir.resolve() == weights_file.parent.resolve():
         raise UserError(f"output {out_dir} is the checkpoint's own directory: choose another --out")

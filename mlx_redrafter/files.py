@@ -32,21 +32,63 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def _blocking_ancestor(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` when it is not a directory (a file in the way), else None."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
+
+
+def _check_parent(path: Path, what: str) -> None:
+    blocker = _blocking_ancestor(path)
+    if blocker is not None:
+        raise UserError(f"{what} {path} cannot be created: {blocker} is a file, not a directory: choose another path")
+
+
+def check_writable_file(path: str | Path, what: str) -> Path:
+    """`path` as a Path, or a one-line UserError (naming it as `what`) unless a file can be written there: not a
+    directory, and no file where one of its parent directories belongs. For the start of a command, before any
+    work."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory: give a file path")
+    _check_parent(path, what)
+    return path
+
+
+def check_writable_dir(path: str | Path, what: str) -> Path:
+    """`path` as a Path, or a one-line UserError (naming it as `what`) unless it is or can become a directory:
+    not a file, and no file where one of its parent directories belongs. For the start of a command."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is a file: give a directory")
+    _check_parent(path, what)
+    return path
+
+
 def write_atomic(path: str | Path, data: str | bytes, mode: int = 0o644) -> Path:
     """Write `data` to `path` via a temp file in the same directory, fsync, atomic rename and a directory fsync;
-    returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    returns the path. A path that cannot be written (a directory, under a file, no permission, a full disk) is a
+    one-line UserError, and the temp file is removed."""
+    path = check_writable_file(path, "output file")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)  # mkstemp creates 0600
         os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {e.strerror or type(e).__name__}") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return path

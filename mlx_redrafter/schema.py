@@ -77,6 +77,14 @@ class Field:
             raise UserError(f"{where}: {self.key} = {shown(v)} is not {self.expected()}")
 
 
+def check_option(option: str, value: Any, field: Field) -> Any:
+    """`value`, or a one-line UserError `OPTION must be EXPECTED (got VALUE)` unless it is None (not given) or valid
+    for `field` (its key is ignored): one range check for a command-line option, before any work."""
+    if value is not None and not field.valid(value):
+        raise UserError(f"{option} must be {field.expected()} (got {shown(value)})")
+    return value
+
+
 def shown(v: Any, limit: int = 60) -> str:
     """repr of a value, cut to `limit` characters (a config value can be a megabyte of text)."""
     r = repr(v)

@@ -272,6 +272,11 @@ def test_existing_output_needs_force(tmp_path, capsys, tdrafter):
     rc, _, err = convert(capsys, src, "--out", out)
     assert rc == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "--force" in err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    rc, _, err = convert(capsys, src, "--out", out, "--force")  # --force never deletes files a save did not write
+    assert rc == 2 and "holds files a drafter save does not write (keep.txt)" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    (out / "config.json").write_text("{}")  # a stale drafter file: --force replaces it
     rc, _, err = convert(capsys, src, "--out", out, "--force", "--quantize", "8")
     assert rc == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

@@ -34,9 +34,24 @@ def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match="cannot write .*a.txt: No space left on device"):
         files.write_atomic(path, "new")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+@pytest.mark.parametrize("target,needle", [("adir", "is a directory: give a file path"),
+                                           ("afile/x", "afile is a file, not a directory"),
+                                           ("afile/sub/x", "afile is a file, not a directory")])
+def test_write_atomic_refuses_a_path_it_cannot_write(tmp_path, target, needle):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(UserError, match=re.escape(needle)):
+        files.write_atomic(tmp_path / target, "new")
+    assert (tmp_path / "afile").read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "adir", "afile"]
+    with pytest.raises(UserError, match="afile is a file"):
+        files.check_writable_dir(tmp_path / "afile", "--out")
+    files.check_writable_dir(tmp_path / "new" / "deeper", "--out")  # absent parents are fine
 
 
 @pytest.mark.parametrize("make,needle", [

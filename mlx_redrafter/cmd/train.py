@@ -9,6 +9,8 @@ import typer
 
 from mlx_redrafter.cmd import common as c
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import check_writable_dir, check_writable_file
+from mlx_redrafter.schema import Field, check_option
 from mlx_redrafter.train.evaluate import format_eval
 from mlx_redrafter.train.loop import TrainConfig
 
@@ -66,6 +68,8 @@ def distill(
     if source == "endpoint" and not endpoint:
         raise UserError("--source endpoint needs --endpoint URL (e.g. http://127.0.0.1:8080/v1)")
     i, n = check_worker(worker)
+    check_writable_dir(corpus, "--corpus")
+    check_writable_dir(features, "--features")
     lower_priority(nice)
     set_threads(threads)
     target = load_target(model, "float32")
@@ -108,6 +112,7 @@ def features(
     from mlx_redrafter.train.pipeline import open_corpus
 
     i, n = check_worker(worker)
+    check_writable_dir(cache, "--features")
     lower_priority(nice)
     set_threads(threads)
     target = load_target(model, "float32")
@@ -115,7 +120,7 @@ def features(
     if not roots:
         raise UserError(f"no corpus of {target.name} under {DEFAULT_CORPUS}: run `make distill` first")
     for root in roots:
-        c_ = open_corpus(root)
+        c_ = open_corpus(root, target.model.args.vocab_size)
         ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, worker=(i, n),
                log=lambda m: typer.echo(m, err=True))
 
@@ -129,15 +134,19 @@ def answers(
     """Write the answer table that lookup drafting copies from: the target's answers in the corpus's train split."""
     from mlx_redrafter.api import shipped_folder
     from mlx_redrafter.files import write_atomic
-    from mlx_redrafter.models.loader import DEFAULT_MODEL
+    from mlx_redrafter.models.loader import DEFAULT_MODEL, load_target
     from mlx_redrafter.train.corpus import Corpus, answer_table_bytes
 
     name = model or DEFAULT_MODEL
+    dest = check_writable_file(out or shipped_folder(name) / "answers.npz", "--out")
     root = corpus / name
     if not (root / "manifest.json").exists():
         raise UserError(f"no corpus at {root}: grow one with `make distill` (or pass --corpus)")
-    data, meta = answer_table_bytes(Corpus(root))
-    path = write_atomic(out or shipped_folder(name) / "answers.npz", data)
+    c_ = Corpus(root)  # a bad manifest fails before the model loads
+    made_by = c_.manifest.get("model")  # the model whose vocabulary the table's ids index (--model names the corpus)
+    c_.vocab_size = load_target(made_by if isinstance(made_by, str) else name, "float32").model.args.vocab_size
+    data, meta = answer_table_bytes(c_)
+    path = write_atomic(dest, data)
     typer.echo(f"wrote {path}: {meta['sequences']} answers, {meta['tokens']} tokens")
 
 
@@ -177,8 +186,8 @@ def train(
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from RUN_DIR/checkpoint."),
     float16: bool = typer.Option(True, "--float16/--float32", help="Storage dtype of the saved weights."),
     eval_prompts: int = typer.Option(0, help="Also measure tokens per target call on this many held-out prompts."),
-    force: bool = typer.Option(False, "--force", help="Let --output replace a non-empty directory that is not a "
-                               "drafter."),
+    force: bool = typer.Option(False, "--force", help="Let --output replace a folder that holds only drafter "
+                               "files but no valid drafter (a folder with other files is never replaced)."),
 ) -> None:
     """Train a drafter on the distillation corpus, in three steps.
 
@@ -191,17 +200,21 @@ def train(
     import time
 
     from mlx_redrafter.models.loader import load_target
-    from mlx_redrafter.train.kinds import DRAFT_MODE, check_kind
+    from mlx_redrafter.train.kinds import DRAFT_MODE
     from mlx_redrafter.train.loop import train_drafter
     from mlx_redrafter.train.pipeline import model_card, prepare, save_shipped
 
-    check_kind(kind)
-    run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")
-    if output is not None and not force:
-        check_output_dir(output)
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
-                      feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed, kind=kind)
+                      feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
+                      kind=kind).check()
+    check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
+    check_option("--eval-prompts", eval_prompts, Field("", int, 0, 100_000))
+    run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")
+    check_writable_dir(run_dir, "--run-dir")
+    check_writable_dir(features, "--features")
+    if output is not None:
+        check_output_dir(output, force)
     target = load_target(model, "float32")
     corpora = corpus or [corpus_dir(DEFAULT_CORPUS, target.name, s) for s in cfg.sources]
     t0 = time.perf_counter()
@@ -233,15 +246,22 @@ def train(
 
 
 
-def check_output_dir(out: Path) -> None:
-    """One-line error unless `out` may receive a drafter: absent, empty, or a drafter directory already."""
-    if not out.exists():
+def check_output_dir(out: Path, force: bool) -> None:
+    """One-line error unless `out` may receive a drafter: absent, empty, or a drafter folder (a valid drafter
+    config.json and only the files a drafter save writes); with `force`, any folder holding only such files. A
+    folder with other files is never replaced."""
+    from mlx_redrafter.draft.kinds import check_drafter_config
+    from mlx_redrafter.draft.redrafter import check_replaceable
+
+    check_writable_dir(out, "--output")
+    check_replaceable(out, "--output")
+    if force or not out.exists() or not any(out.iterdir()):
         return
-    if not out.is_dir():
-        raise UserError(f"--output {out} is a file: give a directory")
-    if any(out.iterdir()) and not (out / "config.json").is_file():
-        raise UserError(f"--output {out} is a non-empty directory that does not hold a drafter: choose another "
-                        f"directory, or pass --force to replace it")
+    try:
+        check_drafter_config(out)
+    except UserError as e:
+        raise UserError(f"--output {out} does not hold a drafter ({e}): choose another directory, or pass --force "
+                        f"to replace it") from None
 
 
 @c.one_line_errors

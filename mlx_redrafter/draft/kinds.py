@@ -15,13 +15,16 @@ import mlx.core as mx
 from mlx_redrafter.draft import medusa, semi_ar
 from mlx_redrafter.draft.medusa import MedusaHeads
 from mlx_redrafter.draft.redrafter import MODEL_TYPE as REDRAFTER_TYPE
-from mlx_redrafter.draft.redrafter import Drafter, load_drafter, read_checkpoint
+from mlx_redrafter.draft.redrafter import Drafter, DrafterArgs, load_drafter, read_checkpoint
 from mlx_redrafter.draft.semi_ar import SemiARDrafter
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import read_json
 
 AnyDrafter = Union[Drafter, MedusaHeads, SemiARDrafter]
 LOADERS = {REDRAFTER_TYPE: load_drafter, medusa.MODEL_TYPE: medusa.load_medusa,
            semi_ar.MODEL_TYPE: semi_ar.load_semi_ar}
+ARGS_OF_TYPE = {REDRAFTER_TYPE: DrafterArgs, medusa.MODEL_TYPE: medusa.MedusaArgs,
+                semi_ar.MODEL_TYPE: semi_ar.SemiARArgs}
 MODE_OF_TYPE = {REDRAFTER_TYPE: "rnn", medusa.MODEL_TYPE: "medusa", semi_ar.MODEL_TYPE: "semi_ar"}
 
 
@@ -36,6 +39,18 @@ def load_any_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> A
         raise UserError(f"{weights_file.parent / 'config.json'}: unknown drafter model_type {model_type!r} (known: "
                         f"{', '.join(LOADERS)})")
     return LOADERS[model_type](path, dtype)
+
+
+def check_drafter_config(folder: Path) -> None:
+    """One-line UserError unless `folder`/config.json is a valid drafter config of a known kind."""
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise UserError(f"{folder} has no config.json")
+    cfg = read_json(cfg_file, "drafter config")
+    model_type = cfg.get("model_type", REDRAFTER_TYPE)
+    if model_type not in ARGS_OF_TYPE:
+        raise UserError(f"{cfg_file}: unknown drafter model_type {model_type!r}")
+    ARGS_OF_TYPE[model_type].from_dict(cfg, f"drafter config {cfg_file}")
 
 
 def draft_kind(drafter: AnyDrafter | None) -> str | None:

@@ -369,12 +369,41 @@ def cast_floats(module: nn.Module, dtype: mx.Dtype) -> None:
     module.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x)
 
 
+# What a drafter save writes into its folder (config and weights, the model card, a training checkpoint's state),
+# and the companion files it carries over when it replaces a drafter (the lookup answer table beside a shipped
+# drafter). A folder holding anything else is not a drafter folder: a save never replaces it.
+DRAFTER_FILES = frozenset({"config.json", "model.safetensors", "MODEL_CARD.md", "trainer_state.json",
+                           "optimizer.safetensors"})
+KEPT_FILES = frozenset({"answers.npz"})
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """Names in `folder` that a drafter save neither writes nor keeps (sorted; a folder's entries only)."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in DRAFTER_FILES | KEPT_FILES)
+
+
+def check_replaceable(out: Path, what: str) -> None:
+    """One-line UserError unless `out` is absent or a folder holding only files a drafter save writes or keeps
+    (so replacing it loses nothing else)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise UserError(f"{what} {out} is a file: give a directory")
+    foreign = foreign_files(out)
+    if foreign:
+        names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(f"{what} {out} holds files a drafter save does not write ({names}), which replacing it "
+                        f"would delete: choose another directory, or move them out")
+
+
 def save_drafter(drafter: Drafter, out_dir: str | Path, extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors (+ extra text files) as a directory, atomically (temp dir, then
-    rename); an existing `out_dir` is replaced. Returns `out_dir`."""
+    rename); an existing `out_dir` is replaced (its `KEPT_FILES` carried over), but only when it holds nothing
+    else (`check_replaceable`). Returns `out_dir`."""
     from mlx.utils import tree_flatten
 
     out = Path(out_dir)
+    check_replaceable(out, "drafter folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -383,6 +412,9 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra_files: dict[str, s
                             metadata={"format": "mlx"})
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        for name in KEPT_FILES - set(extra_files or {}):
+            if (out / name).is_file():
+                shutil.copy2(out / name, tmp / name)
         tmp.chmod(0o755)  # mkdtemp creates 0700
         fsync_tree(tmp)
         if out.exists():

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import check_writable_dir
 from mlx_redrafter.models.loader import DTYPES, dequantize_weights, read_checkpoint, resolve_model
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -109,6 +110,7 @@ def quantize(src: str, dst: str | Path, bits: int = 4, group_size: int = 64, dty
     dst = Path(dst).expanduser()
     if dst.exists() and not (overwrite and dst.is_dir()):
         raise UserError(f"{dst} already exists: choose a new directory or pass --overwrite")
+    check_writable_dir(dst, "output directory")
     name, path = resolve_model(src)
     cfg, weights, quant, tokenizer = read_checkpoint(path)
     full = dequantize_weights(weights, quant, mx.float32)

@@ -21,15 +21,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json, write_atomic
+from mlx_redrafter.schema import Field, check_fields, shown
+from mlx_redrafter.token_ids import check_id_array
 
 FORMAT = "redrafter-mlx-corpus/1"
 # Identity keys a manifest may lack because it predates them: corpora made before sources were recorded hold the
@@ -74,8 +78,9 @@ def shard_bytes(seqs: list[list[int]], prompt_lens: list[int], prompt_index: lis
     return buf.getvalue()
 
 
-def load_shard(path: Path) -> Shard:
-    """Read one shard; a one-line UserError if it is unreadable or inconsistent."""
+def load_shard(path: Path, vocab_size: int | None = None) -> Shard:
+    """Read one shard; a one-line UserError if it is unreadable or inconsistent, or (given the target's
+    `vocab_size`) holds a token id outside its vocabulary, which the target's embedding would read out of bounds."""
     try:
         with np.load(path) as z:
             shard = Shard(tokens=z["tokens"].astype(np.int32), offsets=z["offsets"], prompt_len=z["prompt_len"],
@@ -89,6 +94,12 @@ def load_shard(path: Path) -> Shard:
             or (shard.prompt_len < 1).any() or (shard.prompt_len > lens).any()):
         raise UserError(f"corpus shard {path} has inconsistent offsets: delete it and run `make distill` to "
                         f"regenerate it")
+    if vocab_size is not None:
+        try:
+            check_id_array(mx.array(shard.tokens), vocab_size, f"corpus shard {path}")
+        except UserError as e:
+            raise UserError(f"{e} of the target: it was made for another model, or is corrupt; use that model's "
+                            f"corpus, or delete the shard and run `make distill` to regenerate it") from None
     return shard
 
 
@@ -100,12 +111,36 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# What every shard entry of a manifest holds (more keys are kept as they are: timings, sources, plan rows...).
+SHARD_FIELDS = (
+    Field("sha256", str, required=True),
+    Field("split", str, required=True, choices=("train", "heldout")),
+    Field("sequences", int, 0, None, required=True),
+    Field("response_tokens", int, 0, None, required=True),
+    Field("turn", int, required=True, choices=(1, 2)),
+    Field("created_unix", float, 0, None),
+    Field("created", str),
+)
+SHARD_NAME = re.compile(r"\w[\w.-]*\.npz")  # a file in the corpus folder, never a path out of it
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
+    """A corpus manifest, its layout and every shard entry checked (`SHARD_FIELDS`); one-line errors that say to
+    restore it."""
     manifest = read_json(path, "corpus manifest")
+    restore = f"restore it from git (git checkout -- {path})"
     if manifest.get("format") != FORMAT:
-        raise UserError(f"{path} is not a {FORMAT} manifest: restore it from git (git checkout -- {path})")
+        raise UserError(f"{path} is not a {FORMAT} manifest: {restore}")
     if not isinstance(manifest.setdefault("shards", {}), dict):
-        raise UserError(f"{path}: 'shards' is not an object: restore it from git (git checkout -- {path})")
+        raise UserError(f"{path}: 'shards' is not an object: {restore}")
+    for name, entry in manifest["shards"].items():
+        if not SHARD_NAME.fullmatch(name):
+            raise UserError(f"corpus manifest {path} lists {shown(name)}, not a shard file name (shard-NNNNN.npz): "
+                            f"{restore}")
+        try:
+            check_fields(entry, SHARD_FIELDS, f"corpus manifest {path}, shard {name}")
+        except UserError as e:
+            raise UserError(f"{e}: {restore}") from None
     return manifest
 
 
@@ -129,10 +164,12 @@ def merge_entries(disk: dict[str, dict], mine: dict[str, dict]) -> dict[str, dic
 
 
 class Corpus:
-    """A corpus directory: its manifest and shards."""
+    """A corpus directory: its manifest and shards; with the target's `vocab_size`, shards read by `shard` are
+    checked against its vocabulary."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, vocab_size: int | None = None):
         self.root = Path(root)
+        self.vocab_size = vocab_size
         self.manifest_path = self.root / "manifest.json"
         self.manifest: dict[str, Any] = _read_manifest(self.manifest_path) if self.manifest_path.exists() else {}
 
@@ -155,6 +192,10 @@ class Corpus:
             if have != identity.get(k):
                 raise UserError(f"corpus {self.root} was made with another {k} ({have!r} vs {identity.get(k)!r}): "
                                 f"use another --corpus directory")
+
+    def shard(self, name: str) -> Shard:
+        """Shard `name` read by `load_shard` (its ids checked when the corpus knows the target's vocabulary)."""
+        return load_shard(self.root / name, self.vocab_size)
 
     def check(self, name: str) -> str | None:
         """None if shard `name` is present and intact, else why not (missing / unlisted / corrupt)."""
@@ -213,7 +254,7 @@ def answer_table_bytes(corpus: Corpus) -> tuple[bytes, dict[str, Any]]:
     sequence, each followed by -1 (the held-out shard stays out, so evaluations on it stay fair)."""
     parts, sequences = [], 0
     for path in corpus.shards("train"):
-        shard = load_shard(path)
+        shard = corpus.shard(path.name)
         for i in range(shard.num_sequences):
             parts += [shard.sequence(i)[int(shard.prompt_len[i]) :], np.array([-1])]
             sequences += 1

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.train.corpus import Corpus, load_shard
+from mlx_redrafter.train.corpus import Corpus
 from mlx_redrafter.train.features import FeaturePaths, load_features
 
 
@@ -58,7 +58,7 @@ def load_examples(parts: list[tuple[Corpus, dict[str, FeaturePaths], list[str]]]
     by_corpus: dict[str, int] = {}
     for corpus, paths, names in parts:
         for name in names:
-            sh = load_shard(corpus.root / name)
+            sh = corpus.shard(name)
             f = load_features(paths[name], sh)
             s = len(hids)
             hids.append(f.hidden)

@@ -91,7 +91,7 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
     each). `max_shards` / `hours` bound this run (a shard is never cut in the middle). With `features_dir`, the
     hidden states a source computed anyway are kept there (`features.py`).
     """
-    corpus = Corpus(root)
+    corpus = Corpus(root, target.model.args.vocab_size)
     ident = {"format": FORMAT, "source": source.kind, "model": target.name, "target_fingerprint":
              target_fingerprint(target), "dtype": target.dtype, **source.identity()}
     corpus.claim(ident, ("source", "model", "target_fingerprint", "dtype", *source.checked_keys()))

@@ -159,7 +159,8 @@ def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, na
     relabel = [n for n in mine if paths[n].hidden.exists() and not paths[n].labels.exists()]
     if not forced and not relabel:
         return paths
-    tokens = sum(int(load_shard(corpus.root / n).offsets[-1]) for n in forced + relabel)
+    vocab = model.args.vocab_size  # ids outside it would make the embedding read out of bounds
+    tokens = sum(int(load_shard(corpus.root / n, vocab).offsets[-1]) for n in forced + relabel)
     log(f"features for {corpus.name}: {len(forced)} shards teacher-forced, {len(relabel)} labelled from stored "
         f"states ({tokens} tokens) -> {cache_root}")
     bar = None
@@ -169,7 +170,7 @@ def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, na
         bar = tqdm(total=tokens, desc=f"features {corpus.name}", unit="tok", unit_scale=True, dynamic_ncols=True)
     t0, done = time.perf_counter(), 0
     for n in relabel + forced:
-        sh = load_shard(corpus.root / n)
+        sh = load_shard(corpus.root / n, vocab)
         if n in relabel:
             hidden = np.load(paths[n].hidden, mmap_mode="r")
             if hidden.shape[0] != context_count(sh):

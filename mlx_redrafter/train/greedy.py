@@ -174,7 +174,7 @@ class GreedySource:
             problem = corpus.check(name)
             if problem is not None:
                 raise UserError(f"turn-2 {job.name} needs {corpus.root / name}, which is {problem}")
-            sh = load_shard(corpus.root / name)
+            sh = load_shard(corpus.root / name, self.target.model.args.vocab_size)
             for i, r in enumerate(sh.prompt_index.tolist()):
                 seq = sh.sequence(i)
                 if len(seq) > sh.prompt_len[i] and int(seq[-1]) in eos:

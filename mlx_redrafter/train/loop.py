@@ -21,6 +21,7 @@ from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json
 from mlx_redrafter.models.loader import Target
 from mlx_redrafter.models.safetensors_header import read_header
+from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_VOCAB, MAX_WIDTH, Field, check_option
 from mlx_redrafter.train.data import Batch, Examples, draft_vocabulary, make_batch
 from mlx_redrafter.train.kinds import check_kind, kind_of, new_head_drafter
 from mlx_redrafter.train.loss import hard_loss, soft_loss, teacher_forced_logits
@@ -52,6 +53,42 @@ class TrainConfig:
     kind: str = "redrafter"  # redrafter | medusa | semi_ar_transformer | semi_ar_lstm (see train/kinds.py)
     sources: tuple[str, ...] = ("greedy",)  # corpora trained on by default (cmd/train.py corpus_dir)
     init_from: str | None = None  # start from this drafter's weights (same shape), e.g. a first training stage
+
+    def check(self) -> TrainConfig:
+        """Itself, or a one-line UserError naming the first setting out of range (by its `redrafter-mlx train`
+        option where it has one); for before any work."""
+        for name, option, field in CONFIG_FIELDS:
+            if getattr(self, name) is None and name != "init_from":
+                raise UserError(f"{option} must be {field.expected()} (got None)")
+            check_option(option, getattr(self, name), field)
+        check_kind(self.kind)
+        return self
+
+
+# (TrainConfig attribute, its `train` option (or the attribute's name), what it may hold)
+CONFIG_FIELDS: tuple[tuple[str, str, Field], ...] = (
+    ("exit_dim", "--exit-dim", Field("", int, 1, MAX_WIDTH)),
+    ("num_draft_layers", "--layers", Field("", int, 0, MAX_DRAFT_LAYERS)),
+    ("draft_vocab_size", "--draft-vocab", Field("", int, 1, MAX_VOCAB)),
+    ("draft_len", "--draft-len", Field("", int, 1, 64)),
+    ("labels", "--labels", Field("", str, choices=("hard", "soft"))),
+    ("steps", "--steps", Field("", int, 1, 10**9)),
+    ("batch_size", "--batch", Field("", int, 1, 1 << 20)),
+    ("lr", "--lr", Field("", float, hi=10.0, positive=True)),
+    ("min_lr_ratio", "min_lr_ratio", Field("", float, 0, 1)),
+    ("warmup", "warmup", Field("", int, 0, 10**9)),
+    ("weight_decay", "--weight-decay", Field("", float, 0, 1)),
+    ("grad_clip", "grad_clip", Field("", float, positive=True)),
+    ("input_dropout", "--dropout", Field("", float, 0, 0.9)),
+    ("feature_noise", "--noise", Field("", float, 0, 100)),
+    ("freeze_head", "--freeze-head", Field("", bool)),
+    ("init_from_target", "init_from_target", Field("", bool)),
+    ("eval_every", "eval_every", Field("", int, 1, 10**9)),
+    ("checkpoint_every", "checkpoint_every", Field("", int, 1, 10**9)),
+    ("seed", "--seed", Field("", int, 0, 2**32 - 1)),
+    ("kind", "--kind", Field("", str)),
+    ("init_from", "init_from", Field("", str)),
+)
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable:
@@ -146,10 +183,7 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
                   cfg: TrainConfig | None = None, *, resume: bool = True, progress: bool = True,
                   log: Callable[[str], None] = print) -> tuple[Drafter, dict]:
     """Train (or resume) a drafter; checkpoints in run_dir/checkpoint. Returns the drafter and a summary."""
-    cfg = cfg or TrainConfig()
-    if cfg.labels not in ("hard", "soft"):
-        raise UserError(f"labels must be 'hard' or 'soft' (got {cfg.labels!r})")
-    check_kind(cfg.kind)
+    cfg = (cfg or TrainConfig()).check()
     if len(train) == 0:
         raise UserError("the corpus has no context positions to train on")
     run_dir = Path(run_dir)

@@ -30,8 +30,10 @@ def pick_shards(corpus: Corpus, max_tokens: int | None = None) -> list[str]:
     return train
 
 
-def open_corpus(root: str | Path) -> Corpus:
-    corpus = Corpus(root)
+def open_corpus(root: str | Path, vocab_size: int | None = None) -> Corpus:
+    """The corpus at `root` (its shards checked against the target's `vocab_size` when given); a one-line error
+    when there is none."""
+    corpus = Corpus(root, vocab_size)
     if not corpus.entries:
         raise UserError(f"no corpus at {corpus.root}: run `make distill` (redrafter-mlx distill) first, or pass "
                         f"--corpus DIR")
@@ -46,7 +48,7 @@ def prepare(target: Target, corpora: list[str | Path], features_root: str | Path
     features_root = Path(features_root)
     parts, used_shards = [], {}
     for root in corpora:
-        corpus = open_corpus(root)
+        corpus = open_corpus(root, target.model.args.vocab_size)
         names = pick_shards(corpus, max_tokens)
         paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], features_root / corpus.name, names, log=log)
         parts.append((corpus, paths, names))
@@ -64,7 +66,7 @@ def prepare(target: Target, corpora: list[str | Path], features_root: str | Path
 def heldout_examples(target: Target, root: str | Path, features_root: str | Path,
                      log: Callable[[str], None] = print) -> tuple[Examples, str]:
     """Examples of a corpus' held-out shard (features built on demand) and a line saying which they are."""
-    corpus = open_corpus(root)
+    corpus = open_corpus(root, target.model.args.vocab_size)
     names = [p.name for p in corpus.shards("heldout")]
     if not names:
         raise UserError(f"corpus {corpus.root} has no held-out shard (shard-00000): run `make distill`")
