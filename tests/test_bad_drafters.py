@@ -4,6 +4,7 @@ API for ids): one `error:` line, exit status 2, no traceback, no native crash, n
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 
@@ -103,8 +104,11 @@ def test_the_valid_drafter_generates(tmp_path, drafter_dir):
     assert len(json.loads(proc.stdout)["tokens"]) == 4
 
 
-def test_random_drafter_spec_with_a_bad_width(tmp_path):
-    assert_one_line_error(generate(tmp_path, "--drafter", "random:0:-5", "--draft", "rnn"), "exit_dim = -5")
+@pytest.mark.parametrize("width", ["-5", "0", "100000"])
+def test_random_drafter_spec_with_a_bad_width(tmp_path, width):
+    """0 used to mean the default silently; 100000 built a 100000-wide drafter (a native crash or out of memory)."""
+    assert_one_line_error(generate(tmp_path, "--drafter", f"random:0:{width}", "--draft", "rnn"),
+                          f"exit_dim = {width}", "from 1 to 4,608")
 
 
 @pytest.mark.parametrize("layers,needles", [(1e8, ["100000000.0", "not an integer"]),
@@ -169,6 +173,7 @@ PROMPTS_CASES = {
     "no prompt": (b'{"text": "a"}\n', [":1 has no non-empty"]),
     "empty": (b"\n\n", ["has no prompts"]),
     "missing": ("missing", ["does not exist"]),
+    "a lone surrogate": (b'{"prompt": "hi \\ud83d there"}\n', ["not valid UTF-8 text", "lone surrogate"]),
 }
 
 
@@ -182,6 +187,26 @@ def test_malformed_prompts_file(tmp_path, case):
         f.write_bytes(data)
     proc = run([*CLI, "generate", "--prompts-file", str(f), "-n", "2"], tmp_path)
     assert_one_line_error(proc, *needles)
+
+
+def test_a_prompt_that_is_not_utf8(tmp_path):
+    """A command-line byte that is not UTF-8 reaches Python as a lone surrogate (surrogateescape)."""
+    proc = run([*CLI, "generate", "-n", "2", "-p", os.fsdecode(b"caf\xe9 \xff")], tmp_path)
+    assert_one_line_error(proc, "the prompt is not valid UTF-8 text", "the byte 0xe9")
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ foo.bar }}", "UndefinedError"),
+    ("{% for m in messages %}{{ messages[5].content }}{% endfor %}", "failed"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "was stopped"),
+])
+def test_a_chat_template_that_cannot_render_fails_before_the_chat(tmp_path, body, needle):
+    """It used to print the error per message and exit 0 at the end of input."""
+    f = tmp_path / "t.jinja"
+    f.write_text(body)
+    proc = run([*CLI, "chat", "-n", "2", "--template", str(f)], tmp_path)
+    assert_one_line_error(proc, f"the chat template (--template {f})", needle)
 
 
 # --- token ids through the API ---------------------------------------------------------------------------------

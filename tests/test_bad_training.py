@@ -194,3 +194,20 @@ def test_train_options_out_of_range(tmp_path, option, value, needle):
     out = tmp_path / "out"
     assert_one_line_error(run(train(tmp_path, "-o", str(out), option, value), tmp_path), needle)
     assert not out.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["distill", "--source", "text", "--shards", "-1"], "--shards must be an integer >= 1 (got -1)"),
+    (["distill", "--source", "text", "--hours", "nan"], "--hours must be a finite number > 0"),
+    (["distill", "--source", "text", "--hours", "-1"], "--hours must be a finite number > 0"),
+    (["distill", "--source", "text", "--threads", "0"], "--threads must be an integer from 1"),
+    (["features", "--threads", "0"], "--threads must be an integer from 1"),
+    (["tune", "--force", "--min-speedup", "nan"], "--min-speedup must be a finite number > 0 (got nan)"),
+    (["tune", "--force", "--min-speedup", "0"], "--min-speedup must be a finite number > 0 (got 0.0)"),
+])
+def test_data_and_tune_options_out_of_range(tmp_path, args, needle):
+    """These used to be accepted silently (a negative count cut the plan from the end; NaN hours never stopped;
+    tune measured for half a minute and stored AR)."""
+    extra = ["--corpus", str(tmp_path / "c"), "--nice", "0"] if args[0] == "distill" else []
+    assert_one_line_error(run([*CLI, *args, *extra], tmp_path), needle)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "no-tuned.json").exists()

@@ -19,6 +19,7 @@ DEFAULT_FEATURES = Path(".cache/features")
 
 
 SOURCES = ("greedy", "text", "endpoint")
+THREADS = Field("", int, 1, 1024)  # BLAS threads of the data commands
 
 
 def corpus_dir(corpus: Path, model_name: str, source: str) -> Path:
@@ -68,6 +69,9 @@ def distill(
     if source == "endpoint" and not endpoint:
         raise UserError("--source endpoint needs --endpoint URL (e.g. http://127.0.0.1:8080/v1)")
     i, n = check_worker(worker)
+    check_option("--shards", shards, Field("", int, 1, None))
+    check_option("--hours", hours, Field("", float, hi=1e6, positive=True))
+    check_option("--threads", threads, THREADS)
     check_writable_dir(corpus, "--corpus")
     check_writable_dir(features, "--features")
     lower_priority(nice)
@@ -112,6 +116,7 @@ def features(
     from mlx_redrafter.train.pipeline import open_corpus
 
     i, n = check_worker(worker)
+    check_option("--threads", threads, THREADS)
     check_writable_dir(cache, "--features")
     lower_priority(nice)
     set_threads(threads)

@@ -11,6 +11,7 @@ import typer
 from mlx_redrafter.cmd import common as c
 from mlx_redrafter.defaults import TUNE_GRID, TUNE_MIN_SPEEDUP, TUNE_MIN_TOKENS_PER_STEP
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.schema import Field, check_option
 
 
 @c.one_line_errors
@@ -47,6 +48,7 @@ def tune(
         raise UserError("--dtypes is empty")
     if max_tokens < 2:
         raise UserError(f"--max-tokens must be >= 2 (got {max_tokens})")
+    check_option("--min-speedup", min_speedup, Field("", float, positive=True))
     sweep.parse_drafts(drafts)  # bad input fails now, not after loading the model
     tuning.read_all()  # a corrupt tuned file too, not after the measurement
     now = machine_now()

@@ -289,10 +289,17 @@ def random_drafter(hidden_size: int, vocab_size: int, seed: int, exit_dim: int |
                    dtype: mx.Dtype = mx.float32) -> Drafter:
     """A randomly initialised drafter of the given shape (for exactness tests and smoke runs).
 
-    With `draft_vocab_size` = K the head drafts over K random distinct token ids (cheaper drafting)."""
+    With `draft_vocab_size` = K the head drafts over K random distinct token ids (cheaper drafting). `exit_dim`
+    (default 2 x the hidden size) must lie in 1..8 x the hidden size: a random drafter is for tests and smoke
+    runs, and a wider one only spends memory (100000 x 49152 weights would not fit)."""
+    if exit_dim is not None and (type(exit_dim) is not int or not 1 <= exit_dim <= 8 * hidden_size):
+        raise UserError(f"random drafter: exit_dim = {shown(exit_dim)} is not an integer from 1 to "
+                        f"{8 * hidden_size:,} (8 x the model's hidden size {hidden_size}): use random:SEED or "
+                        f"random:SEED:EXIT_DIM with EXIT_DIM in that range")
     mx.random.seed(seed)
     args = DrafterArgs.from_dict({"vocab_size": vocab_size, "hidden_size": hidden_size,
-                                  "exit_dim": exit_dim or 2 * hidden_size, "num_draft_layers": num_draft_layers,
+                                  "exit_dim": 2 * hidden_size if exit_dim is None else exit_dim,
+                                  "num_draft_layers": num_draft_layers,
                                   "rnn": rnn, "draft_vocab_size": draft_vocab_size}, "random drafter")
     d = Drafter(args)
     if draft_vocab_size:

@@ -68,12 +68,15 @@ def pick_template(own: str | None, kind: str | None = None, name_hint: str = "")
 
 
 def load_template_option(value: str) -> str:
-    """A --template value: a built-in name or a .jinja file -> template text ('own' is handled by callers)."""
+    """A --template value: a built-in name or a .jinja file -> template text ('own' is handled by callers). A file
+    must render the sample conversations (`check_template`), so a broken one fails before a chat starts."""
     if value in BUILTIN:
         return BUILTIN[value]
     p = Path(value).expanduser()
     if p.suffix == ".jinja" and p.is_file():
-        return read_text(p, "chat template")
+        text = read_text(p, "chat template")
+        check_template(text, f"the chat template (--template {p})")
+        return text
     raise UserError(f"--template must be 'own', one of {', '.join(BUILTIN)} or an existing .jinja file "
                     f"(got {value!r})")
 
@@ -228,6 +231,23 @@ def render(template: str, messages: list[dict[str, str]], *, bos_token: str = ""
         raise UserError(f"{name} does not parse: {first_line(e)} (line {e.lineno})") from None
     except (Exception, RecursionError) as e:  # the template's own errors: ZeroDivisionError, TypeError, ...
         raise UserError(f"{name} failed: {type(e).__name__}: {first_line(e)}") from None
+
+
+# Conversations every chat template must render: a first message, and a second turn after an answer.
+SAMPLE_CONVERSATIONS = (
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi. How can I help?"},
+     {"role": "user", "content": "Name a colour."}],
+)
+
+
+def check_template(template: str, name: str) -> None:
+    """One-line UserError (naming the template as `name`) unless `template` renders `SAMPLE_CONVERSATIONS` to text
+    within the rendering budget: a template that fails on any conversation fails here, once, up front."""
+    for messages in SAMPLE_CONVERSATIONS:
+        out = render(template, messages, bos_token="<s>", eos_token="</s>", name=name)
+        if not isinstance(out, str):
+            raise UserError(f"{name} rendered no text")
 
 
 def first_line(e: BaseException) -> str:

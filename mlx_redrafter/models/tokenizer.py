@@ -56,6 +56,21 @@ class HFBackend:
         return self.tok.id_to_token(i)
 
 
+def check_text(text: Any) -> str:
+    """`text`, or a one-line UserError unless it is a str that UTF-8 can encode: a lone surrogate (e.g. '\\udce9',
+    how Python's surrogateescape keeps a command-line byte that is not UTF-8) has no token."""
+    if not isinstance(text, str):
+        raise UserError(f"the prompt must be text (a str), not a {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = text[e.start]
+        what = f"the byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"a lone surrogate {c!r}"
+        raise UserError(f"the prompt is not valid UTF-8 text: it holds {what}, which is not UTF-8: "
+                        f"give UTF-8 text (check the terminal's or the file's encoding)") from None
+    return text
+
+
 class TextTokenizer:
     """Encode/decode text, render chat prompts, and know which ids end a generation."""
 
@@ -77,8 +92,9 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text (no BOS added; special tokens written in the text map to their ids). With an
-        `id_limit`, an id the model has no embedding row for is a one-line UserError."""
-        ids = self.backend.encode(text)
+        `id_limit`, an id the model has no embedding row for is a one-line UserError, and so is text that is not
+        valid Unicode (`check_text`)."""
+        ids = self.backend.encode(check_text(text))
         if self.id_limit is not None and ids and max(ids) >= self.id_limit:
             raise UserError(f"the tokenizer gave token id {max(ids)} but the model's vocabulary has {self.id_limit} "
                             f"tokens: the tokenizer files do not belong to this model")
