@@ -114,9 +114,19 @@ def read_all(path: Path | None = None) -> dict[str, Any]:
         where = f"tuned settings file {path}, entry {key!r}"
         try:
             check_fields(entry, ENTRY_FIELDS, where)
+            check_tuned_values({k: entry[k] for k in TUNED_FIELDS if k in entry}, where)
         except UserError as e:
             raise UserError(f"{e}: {fix}") from None
     return entries
+
+
+def check_tuned_values(values: dict[str, Any], where: str) -> None:
+    """One-line UserError unless tuned `values` pass the options' own check (`DecodeOptions.check`: the same
+    ranges as the flags), saying that the bad value came from `where`, not from a flag."""
+    try:
+        DecodeOptions().updated(**values).check()
+    except UserError as e:
+        raise UserError(f"{where} holds a value out of range, not a flag you gave ({e})") from None
 
 
 def lookup(model: str | None, drafter: str | None) -> dict[str, Any] | None:
@@ -169,6 +179,10 @@ def resolve(model: str | None, drafter: str | None, flags: dict[str, Any], dtype
     given = {k: v for k, v in flags.items() if v is not None}
     entry = lookup(model, drafter) or {}
     tuned = {k: entry[k] for k in TUNED_FIELDS if k in entry and k not in given}
+    if "draft" in tuned and modes.get(tuned["draft"]).drafter and parse_drafter_spec(drafter).kind == "none":
+        raise UserError(f"the tuned settings file {tuned_file()} says --draft {tuned['draft']} for this machine and "
+                        f"model, but no drafter is loaded (--drafter none): give --draft, or delete that entry or "
+                        f"re-run `redrafter-mlx tune`")
     notes = []
     if "draft" in tuned and not modes.get(tuned["draft"]).drafts and any(k in given for k in DRAFTING_FLAGS):
         del tuned["draft"]

@@ -154,6 +154,11 @@ TUNED_CASES = {
     "a float for a length": (tuned({"draft": "lookup", "beam_length": 4.5}), ["beam_length = 4.5"]),
     "unknown draft mode": (tuned({"draft": "fast"}), ["draft = 'fast'"]),
     "unknown dtype": (tuned({"draft": "none", "dtype": "float8"}), ["dtype = 'float8'"]),
+    "a length past the options' range": (tuned({"draft": "lookup", "beam_length": 1000}),
+                                         ["not a flag you gave", "--beam-length must be an integer from 2 to 64",
+                                          "got 1000", "re-run"]),
+    "a lookup width past the options' range": (tuned({"draft": "lookup", "lookup_width": 65}),
+                                               ["not a flag you gave", "--lookup-width", "got 65"]),
 }
 
 
