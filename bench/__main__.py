@@ -396,5 +396,83 @@ def load(
     typer.echo(f"wrote {out}/server-load.md", err=True)
 
 
+@app.command()
+@c.one_line_errors
+def curve(
+    device: str = typer.Option(..., help="Label of this machine: results go to bench/results/DEVICE/cost-curve.*"),
+    batches: str = typer.Option("1,2,3,4,5,6,7,8", help="Batch sizes (rows), comma-separated."),
+    max_tokens: int = typer.Option(8, help="Tokens per row: 1..N."),
+    context: int = typer.Option(128, help="Committed tokens per row."),
+    repeats: int = typer.Option(5, help="Timed forwards per cell (median)."),
+    keep: bool = typer.Option(True, "--keep/--no-keep", help="Also keep it as this machine's curve for batched "
+                              "decoding of the embedded model."),
+) -> None:
+    """The cost of one batched target call per rows x tokens per row (what batched speculation spends)."""
+    from mlx_redrafter.batch.budget import curve_file
+    from mlx_redrafter.system.machine import fingerprint
+    from mlx_redrafter.system.machine_state import machine_now
+
+    from .batch import cost_curve, curve_markdown
+
+    bs = c.int_list(batches, "--batches")
+    if min(bs) < 1 or max(bs) > 64 or not 1 <= max_tokens <= 64 or not 1 <= context <= 4096 or repeats < 1:
+        raise UserError("--batches 1..64, --max-tokens 1..64, --context 1..4096, --repeats >= 1")
+    lm = api_load()
+    before = machine_now()
+    cv = cost_curve(lm, bs, max_tokens, context, repeats, log=lambda m: typer.echo(m, err=True))
+    cv.meta = {"model": lm.target.name, "machine": fingerprint(), "machine_state": before}
+    out = Path(__file__).resolve().parent / "results" / device
+    out.mkdir(parents=True, exist_ok=True)
+    cv.save(out / "cost-curve.json")
+    quiet = "quiet machine" if before["quiet"] else "NOT a quiet machine"
+    (out / "cost-curve.md").write_text(f"# Batched target call cost ({device}, {quiet})\n\n" + curve_markdown(cv))
+    if keep:
+        cv.save(curve_file(lm.target.name, fingerprint()))
+    typer.echo(curve_markdown(cv))
+
+
+@app.command()
+@c.one_line_errors
+def batch(
+    device: str = typer.Option(..., help="Label of this machine: results go to bench/results/DEVICE/batch-*"),
+    batches: str = typer.Option("1,2,4,8", help="Batch sizes, comma-separated."),
+    num_prompts: int = typer.Option(16, help="MT-bench first turns (spread over the categories)."),
+    max_tokens: int = typer.Option(128, help="New tokens per prompt."),
+    repeats: int = typer.Option(2, help="Interleaved repeats (median)."),
+    draft: str = typer.Option("auto", help="Draft mode of the speculative system."),
+    mlx_lm: bool = typer.Option(True, "--mlx-lm/--no-mlx-lm", help="Run mlx-lm's batch_generate too."),
+) -> None:
+    """Throughput per batch size: batched speculative vs our batched plain decoding vs mlx-lm's batch_generate."""
+    import time as _time
+
+    from mlx_redrafter import api as _api
+    from mlx_redrafter.prompts import first_turns
+    from mlx_redrafter.system.machine_state import machine_now
+
+    from .batch import run, write
+
+    bs = c.int_list(batches, "--batches")
+    if min(bs) < 1 or max(bs) > 64 or num_prompts < 1 or max_tokens < 1 or repeats < 1:
+        raise UserError("--batches 1..64; --num-prompts, --max-tokens, --repeats >= 1")
+    lm = api_load()
+    prompts = [_api.encode_prompt(lm, r["prompt"]) for r in first_turns(None, num_prompts, spread=True)]
+    curve = _api.cost_curve(lm, max(bs), _api.decode_options().shape.length)
+    before = machine_now()
+    res = run(lm, prompts, bs, max_tokens, repeats, mlx_lm, curve, draft, log=lambda m: typer.echo(m, err=True))
+    res["machine_state"] = {"before": before, "after": machine_now()}
+    quiet = "quiet machine" if before["quiet"] else "NOT a quiet machine"
+    out = Path(__file__).resolve().parent / "results" / device
+    stem = "batch-" + _time.strftime("%Y%m%d-%H%M%S")
+    write(res, out, stem, f"Batched decoding ({device}, {quiet})")
+    typer.echo((out / f"{stem}.md").read_text())
+
+
+def api_load():
+    """The embedded model (float32) with its shipped drafter."""
+    from mlx_redrafter import api as _api
+
+    return _api.load(None, "default", "float32")
+
+
 if __name__ == "__main__":
     main()

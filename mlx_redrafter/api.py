@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlx_redrafter.batch.budget import CostCurve
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.base import Allocator
@@ -32,8 +33,8 @@ from mlx_redrafter.sources import make_allocator as allocator_of_mode
 from mlx_redrafter.sources import source_settings
 
 __all__ = ["LoadedModel", "DecodeOptions", "decode_options", "Response", "Result", "load", "generate",
-           "stream_generate", "decode", "settings", "encode_prompt", "answer_table", "shipped_drafter_path",
-           "shipped_folder"]
+           "stream_generate", "generate_batch", "stream_batch", "decode", "settings", "encode_prompt", "answer_table",
+           "shipped_drafter_path", "shipped_folder"]
 
 
 @dataclass
@@ -234,3 +235,60 @@ def generate(lm: LoadedModel, prompt: str | list[int], options: DecodeOptions | 
         if r.record is not None:
             stats.add(r.record)
     return Result(text="".join(pieces), tokens=tokens, stats=stats, settings=settings(lm, options))
+
+
+def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: DecodeOptions | None = None, *,
+                 batch_size: int = 4, chat: bool = True, curve: CostCurve | None = None,
+                 **overrides) -> Iterator[tuple[int, Response]]:
+    """Decode many prompts, `batch_size` rows sharing each target call (continuous batching, batch/loop.py):
+    yields `(index, Response)` per row and call, `index` being the prompt's place in `prompts`. Each row's text
+    is what `stream_generate` gives for that prompt alone. `curve` (a measured `batch.budget.CostCurve`) lets
+    each step choose how many tokens the rows verify; without it every drafting row drafts the full length."""
+    from mlx_redrafter.batch.budget import Budget
+    from mlx_redrafter.batch.loop import generate_batch as batch_loop
+
+    options = (options or DecodeOptions()).updated(**overrides)
+    options.check()
+    ids = [encode_prompt(lm, p, chat) for p in prompts]
+    model = lm.target.model
+    room = model.args.max_position_embeddings - max(len(x) for x in ids)
+    draft_mode(lm, options)  # a mode the loaded drafter cannot serve fails here
+    detoks = [StreamingDetokenizer(lm.tokenizer) for _ in ids]
+    records = batch_loop(model, ids, batch_size=batch_size, max_tokens=min(options.max_tokens, room),
+                         eos_ids=lm.tokenizer.eos_ids, sampling=options.sampling,
+                         allocator=lambda: make_allocator(lm, options), length=options.shape.length,
+                         budget=Budget(options.shape.length, curve))
+    for index, r in records:
+        yield index, Response(detoks[index].add(r.tokens), r.tokens, r)
+        if r.stop:
+            tail = detoks[index].flush()
+            if tail:
+                yield index, Response(tail, [], None)
+
+
+def generate_batch(lm: LoadedModel, prompts: list[str | list[int]], options: DecodeOptions | None = None, *,
+                   batch_size: int = 4, chat: bool = True, curve: CostCurve | None = None,
+                   **overrides) -> list[Result]:
+    """Whole completions of many prompts decoded `batch_size` at a time (see `stream_batch`), in prompt order.
+    Each result's stats count its own tokens; their `decode_s` is the wall time of the calls it shared."""
+    options = (options or DecodeOptions()).updated(**overrides)
+    pieces: list[list[str]] = [[] for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    stats = [Stats() for _ in prompts]
+    for i, r in stream_batch(lm, prompts, options, batch_size=batch_size, chat=chat, curve=curve):
+        pieces[i].append(r.text)
+        tokens[i].extend(r.tokens)
+        if r.record is not None:
+            stats[i].add(r.record)
+    base = settings(lm, options)
+    return [Result(text="".join(p), tokens=t, stats=s, settings={**base, "batch_size": batch_size})
+            for p, t, s in zip(pieces, tokens, stats)]
+
+
+def cost_curve(lm: LoadedModel, batch_size: int, length: int) -> CostCurve:
+    """The measured cost of batched target calls for this model on this machine (batch/budget.py), measured
+    and kept the first time a batch of this size needs it (a few seconds; a notice says so)."""
+    from mlx_redrafter.batch.budget import measured_curve
+    from mlx_redrafter.system.machine import fingerprint
+
+    return measured_curve(lm.target.model, lm.target.name, fingerprint(), batch_size, length, log=_say_once)

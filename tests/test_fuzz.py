@@ -70,3 +70,54 @@ def test_random_cases_never_diverge(target, chat_ids):
                   flush=True)
     print(f"fuzz: {n_cases} cases, {failures} divergences, {ties} proven ties, {time.time() - t0:.0f} s")
     assert failures == 0
+
+
+def test_random_batches_never_diverge(target, chat_ids):
+    """Random batches: 1-8 rows, more prompts than rows (rows join mid-way), each row with its own random draft
+    sources; every row's greedy output equals its prompt decoded alone with AR (or a proven tie).
+    FUZZ_BATCHES (default 100) batches."""
+    from mlx_redrafter.batch.budget import Budget, CostCurve
+    from mlx_redrafter.batch.loop import generate_batch
+
+    n_batches = int(os.environ.get("FUZZ_BATCHES", "100"))
+    rng = random.Random(int(os.environ.get("FUZZ_SEED", "0")) + 7919)
+    tok, model = target.tokenizer, target.model
+    drafters = {s: random_drafter(576, 49152, seed=s, exit_dim=128, draft_vocab_size=4096) for s in range(4)}
+    flat = CostCurve({b: [1.0 + 0.05 * p for p in range(8)] for b in (1, 2, 4, 8)})
+    ar_cache: dict = {}
+    ties = failures = rows_checked = 0
+    t0 = time.time()
+
+    def allocator():
+        slots = []
+        if rng.random() < 0.8:
+            slots.append(Slot(RnnSource(drafters[rng.randrange(4)], model.embed), rng.choice([1, 2, 3])))
+        if rng.random() < 0.6:
+            slots.append(Slot(LookupSource(rng.choice([NgramIndex, SuffixIndex]), max_length=rng.choice([0, 9])),
+                              rng.choice([1, 2])))
+        return Allocator(slots) if slots else None
+
+    for case in range(n_batches):
+        B, n_tok, L = rng.randint(1, 8), rng.choice([8, 16, 24]), rng.randint(2, 6)
+        idx = [rng.randrange(len(chat_ids)) for _ in range(rng.randint(1, 10))]
+        budget = Budget(L, flat if rng.random() < 0.5 else None)
+        out: dict[int, list[int]] = {i: [] for i in range(len(idx))}
+        for i, r in generate_batch(model, [chat_ids[p] for p in idx], batch_size=B, max_tokens=n_tok,
+                                   eos_ids=tok.eos_ids, allocator=allocator, length=L, budget=budget):
+            out[i].extend(r.tokens)
+        for i, p in enumerate(idx):
+            key = (p, n_tok)
+            if key not in ar_cache:
+                ar_cache[key] = ar_tokens(model, chat_ids[p], n_tok, tok.eos_ids)
+            rows_checked += 1
+            if out[i] != ar_cache[key]:
+                problem = divergence(model, chat_ids[p], ar_cache[key], out[i])
+                ties += problem is None
+                if problem is not None:
+                    failures += 1
+                    print(f"batch {case}: B={B} L={L} row {i} prompt {p}: {problem}")
+        if (case + 1) % 10 == 0:
+            print(f"fuzz batches: {case + 1} batches, {rows_checked} rows, {failures} divergences, {ties} proven "
+                  f"ties, {time.time() - t0:.0f} s", flush=True)
+    print(f"fuzz batches: {n_batches} batches, {rows_checked} rows, {failures} divergences, {ties} proven ties")
+    assert failures == 0

@@ -23,6 +23,8 @@ def generate(
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
     chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together, sharing each target "
+                                   "call (continuous batching; with --prompts-file). 1 = one at a time."),
     *,
     flags: dict,
 ) -> None:
@@ -40,6 +42,9 @@ def generate(
     s = api.settings(lm, res.options)  # a mode the loaded drafter cannot serve fails here, before any output
     for note in c.decoding_notes(lm, res):
         typer.echo(f"note: {note}", err=True)
+    if batch_size != 1:
+        _generate_batch(lm, prompts, res, s, batch_size, chat, as_json)
+        return
     for p in prompts:
         if as_json:
             out = api.generate(lm, p, res.options, chat=chat)
@@ -57,3 +62,29 @@ def generate(
         typer.echo(f"[{stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
                    f"{stats.tokens_per_step:.2f} tokens/step, dtype={s['dtype']}, draft={s['draft']}, "
                    f"drafter={s['drafter']}]", err=True)
+
+
+def _generate_batch(lm, prompts: list[str], res, s: dict, batch_size: int, chat: bool, as_json: bool) -> None:
+    """Decode the prompts `batch_size` at a time; print each completion whole, in prompt order."""
+    import time
+
+    from mlx_redrafter import api
+
+    if batch_size < 1 or batch_size > 256:
+        raise UserError(f"--batch-size must be an integer from 1 to 256 (got {batch_size})")
+    t = time.perf_counter()
+    results = api.generate_batch(lm, prompts, res.options, batch_size=batch_size, chat=chat,
+                                 curve=api.cost_curve(lm, min(batch_size, len(prompts)), res.options.shape.length))
+    seconds = time.perf_counter() - t
+    for p, out in zip(prompts, results):
+        if as_json:
+            typer.echo(json.dumps({"prompt": p, "text": out.text, "tokens": out.tokens, **out.settings,
+                                   **out.stats.as_dict(), "settings_source": res.source,
+                                   "settings_origin": res.origin}))
+        else:
+            typer.echo(out.text)
+    tokens = sum(r.stats.generated_tokens for r in results)
+    calls = sum(r.stats.steps for r in results)
+    typer.echo(f"[{len(prompts)} prompts, {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tok/s, "
+               f"{(tokens - len(prompts)) / max(calls, 1):.2f} tokens per row and call, batch {batch_size}, "
+               f"draft={s['draft']}]", err=True)

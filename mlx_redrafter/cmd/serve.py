@@ -21,7 +21,7 @@ def serve(
     port: int = typer.Option(8080, help="TCP port."),
     api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Default most new tokens per request."),
-    max_active: int = typer.Option(4, help="Requests decoded at once (one target call each per turn)."),
+    max_active: int = typer.Option(4, help="Requests decoded at once (rows of one batch: one target call per step)."),
     max_queued: int = typer.Option(16, help="Requests waiting beyond those; more get 429 with Retry-After."),
     prompt_cache: int = typer.Option(4, help="KV caches of finished requests kept for follow-ups (LRU; 0 = off)."),
     *,
@@ -49,7 +49,8 @@ def serve(
     typer.echo(f"{c.banner(lm, res)}", err=True)
     for note in c.decoding_notes(lm, res):
         typer.echo(f"note: {note}", err=True)
-    scheduler = Scheduler(lm, max_active=max_active, max_queued=max_queued, cache_entries=prompt_cache)
+    curve = api.cost_curve(lm, max_active, res.options.shape.length) if max_active > 1 else None
+    scheduler = Scheduler(lm, max_active=max_active, max_queued=max_queued, cache_entries=prompt_cache, curve=curve)
     scheduler.start()
     app = create_app(lm, scheduler, res.options, api_key=api_key)
     typer.echo(f"serving {lm.target.name} on http://{host}:{port} (OpenAI API under /v1; a chat page at /)", err=True)

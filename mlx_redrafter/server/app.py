@@ -187,8 +187,9 @@ async def _answer(request: Request, req: protocol.Request, job: Job) -> Response
     """The whole answer once the job is done; an empty response if the client went away first (the caller
     cancels the job)."""
     text, finish, use = [], "stop", {}
+    last_check = [time.monotonic()]
     while True:
-        ev = await _next_event(request, job)
+        ev = await _next_event(request, job, last_check)
         if ev is None:
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
         if ev.kind == "text":
@@ -201,16 +202,21 @@ async def _answer(request: Request, req: protocol.Request, job: Job) -> Response
     return JSONResponse(protocol.completion(req, "".join(text), finish, use))
 
 
-async def _next_event(request: Request, job: Job) -> Event | None:
-    """The job's next event, or None once the client has disconnected."""
+async def _next_event(request: Request, job: Job, last_check: list[float]) -> Event | None:
+    """The job's next event, or None once the client has disconnected. The client is checked at least every
+    DISCONNECT_POLL_S, also while events keep arriving (`last_check` holds the time of the last check)."""
     get = asyncio.ensure_future(job.queue.get())
     try:
         while True:
             done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
-            if done:
+            now = time.monotonic()
+            if done and now - last_check[0] < DISCONNECT_POLL_S:
                 return get.result()
+            last_check[0] = now
             if await request.is_disconnected():
                 return None
+            if done:
+                return get.result()
     finally:
         get.cancel()
 

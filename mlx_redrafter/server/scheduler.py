@@ -1,13 +1,14 @@
-"""The scheduler: one thread owns the model and serves every active request one target call at a time.
+"""The scheduler: one thread owns the model and serves every active request, all of them in each target call.
 
-Up to `max_active` requests run at once and `max_queued` more wait (one more is a 429), each advanced by one step
-(one record of `api.decode`) per turn, round robin, so a long answer never stalls a short one for more than a
-step. A request whose client went away is closed at its next turn (its cache settles, see generate.py). Finished
-requests leave their KV cache in a small LRU keyed by the tokens it holds, and a request that starts with the same
-tokens (the earlier turns of a conversation) continues from it: only the new tokens are prefilled.
+Up to `max_active` requests run at once and `max_queued` more wait (one more is a 429). Running requests are the
+rows of one `batch.loop.Batch`: every step is one target call for all of them (continuous batching), each row
+with its own draft mode, sampling settings and candidate length, so a long answer never stalls a short one and a
+new request joins between two steps without recomputing the others. A request whose client went away leaves at
+the next step. Finished requests leave their KV cache in a small LRU keyed by the tokens it holds, and a request
+that starts with the same tokens (the earlier turns of a conversation) continues from it: only the new tokens
+are prefilled.
 
-The HTTP side never touches MLX: it hands a `Job` over and reads its events. A batched stepper (several
-requests' steps in one target call) plugs in at `_turn`.
+The HTTP side never touches MLX: it hands a `Job` over and reads its events.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_redrafter import api
+from mlx_redrafter.batch.budget import Budget, CostCurve
+from mlx_redrafter.batch.loop import Batch
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.chat import common_prefix
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Record, Stats
 from mlx_redrafter.models.tokenizer import StreamingDetokenizer
-from mlx_redrafter.options import DecodeOptions
+from mlx_redrafter.options import MAX_CANDIDATE_LENGTH, DecodeOptions
 from mlx_redrafter.server.protocol import ApiError, usage
 from mlx_redrafter.server.stops import StopText
 
@@ -88,27 +91,30 @@ class PromptCache:
 
 
 class _Running:
-    """A job being decoded: its records, text and statistics."""
+    """A job in the batch: its text, stop strings and statistics."""
 
-    def __init__(self, job: Job, lm: api.LoadedModel, cache: KVCache, keep: int):
-        self.job, self.cache, self.keep = job, cache, keep
-        self.records = api.decode(lm, job.ids[keep:], job.options, cache=cache, history=job.ids[:keep])
+    def __init__(self, job: Job, lm: api.LoadedModel, keep: int):
+        self.job, self.keep = job, keep
         self.detok = StreamingDetokenizer(lm.tokenizer)
         self.stops = StopText(job.stop)
         self.stats = Stats()
         self.tokens: list[int] = []
         self.draft = api.draft_mode(lm, job.options).name
+        self.first: Record | None = None  # the prefill's record
 
 
 class Scheduler:
     """Owns the loaded model on its own thread (see the module docstring)."""
 
-    def __init__(self, lm: api.LoadedModel, max_active: int = 4, max_queued: int = 16, cache_entries: int = 4):
+    def __init__(self, lm: api.LoadedModel, max_active: int = 4, max_queued: int = 16, cache_entries: int = 4,
+                 curve: CostCurve | None = None):
         self.lm, self.max_active, self.max_queued = lm, max_active, max_queued
         self.prompts = PromptCache(cache_entries)
         self.waiting: deque[Job] = deque()
         self.admitting = 0  # jobs taken from `waiting`, not yet in `active` (counted against the capacity)
         self.active: list[_Running] = []
+        self.batch = Batch(lm.target.model, lm.tokenizer.eos_ids, MAX_CANDIDATE_LENGTH,
+                           Budget(MAX_CANDIDATE_LENGTH, curve))
         self.wake = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="redrafter-scheduler", daemon=True)
@@ -150,11 +156,12 @@ class Scheduler:
             for job in admitted:
                 self._admit(job)
             for run in list(self.active):
-                self._turn(run)
-        for run in self.active:
-            run.records.close()
+                if run.job.cancelled.is_set():
+                    self._finish(run, "", notify=False)
+            self._step()
 
     def _admit(self, job: Job) -> None:
+        """Prefill a job into the batch (its first token is its first record)."""
         run = None
         try:
             if not job.cancelled.is_set():
@@ -166,53 +173,61 @@ class Scheduler:
                 self.admitting -= 1
                 if run is not None:
                     self.active.append(run)
+        if run is not None:
+            self._after(run, run.first)
 
     def _start(self, job: Job) -> _Running:
-        """The job with its cache: a finished request's that shares its prefix, else a new one sized for the
-        prompt and at most the answer the context has room for."""
+        """The job joined to the batch, continuing a finished request's cache where it shares the prefix."""
         cache, keep = self.prompts.take(job.ids)
-        if cache is None:
-            room = self.lm.target.model.args.max_position_embeddings - len(job.ids)
-            cache = self.lm.target.model.make_cache(len(job.ids) + min(job.options.max_tokens, room) + 64)
-        return _Running(job, self.lm, cache, keep)
+        run = _Running(job, self.lm, keep)
+        o = job.options
+        room = self.lm.target.model.args.max_position_embeddings - len(job.ids)
+        allocator = api.make_allocator(self.lm, o)
+        run.first = self.batch.add(run, job.ids[keep:], max_tokens=min(o.max_tokens, room), sampling=o.sampling,
+                                   allocator=allocator, cache=cache, history=job.ids[:keep],
+                                   length=o.shape.length if allocator is not None else 1)
+        return run
 
-    def _turn(self, run: _Running) -> None:
-        """Advance one job by one target call."""
-        job = run.job
+    def _step(self) -> None:
+        """One target call for every running job."""
         try:
-            if job.cancelled.is_set():
-                self._finish(run, "", notify=False)
-                return
-            record = next(run.records, None)
-            if record is None:
-                self._finish(run, "stop")
-                return
-            run.stats.add(record)
-            run.tokens.extend(record.tokens)
-            pieces, hit = run.stops.add(_pieces(run.detok, record))
-            if pieces:
-                job.put(Event("text", pieces=pieces))
-            if hit:
-                self._finish(run, "stop")
-            elif record.stop:
-                tail, hit = run.stops.add([(run.detok.flush(), "target")])
-                rest = tail + run.stops.flush()
-                if rest:
-                    job.put(Event("text", pieces=rest))
-                self._finish(run, "stop" if hit or record.stop == "eos" else "length")
-        except Exception as e:  # a failure of one request must not stop the others
-            run.records.close()
-            self._drop(run)
-            job.put(Event("error", error=_failure(e)))
+            records = self.batch.step()
+        except Exception as e:  # the call every job shared failed: each of them gets the error
+            for run in list(self.active):
+                self._drop(run)
+                run.job.put(Event("error", error=_failure(e)))
+            return
+        for run, record in records:
+            self._after(run, record)
 
-    def _drop(self, run: _Running) -> None:
+    def _after(self, run: _Running, record: Record) -> None:
+        """Hand a job's record to its client; finish the job if it ended."""
+        job = run.job
+        run.stats.add(record)
+        run.tokens.extend(record.tokens)
+        pieces, hit = run.stops.add(_pieces(run.detok, record))
+        if pieces:
+            job.put(Event("text", pieces=pieces))
+        if hit:
+            self._finish(run, "stop")
+        elif record.stop:
+            tail, hit = run.stops.add([(run.detok.flush(), "target")])
+            rest = tail + run.stops.flush()
+            if rest:
+                job.put(Event("text", pieces=rest))
+            self._finish(run, "stop" if hit or record.stop == "eos" else "length")
+
+    def _drop(self, run: _Running) -> tuple[KVCache | None, list[int]]:
+        """Take a job out of the batch and the active list; its cache and the tokens it holds."""
+        out = self.batch.remove(run, with_cache=True) if run in self.batch.keys else (None, [])
         with self.wake:
             self.active.remove(run)
+        return out
 
     def _finish(self, run: _Running, finish: str, notify: bool = True) -> None:
-        run.records.close()  # the cache now holds the prompt and every emitted token
-        self._drop(run)
-        self.prompts.put(run.job.ids + run.tokens, run.cache)
+        cache, held = self._drop(run)
+        if cache is not None and held:
+            self.prompts.put(held, cache)
         if notify:
             run.job.put(Event("done", finish=finish, usage=usage(len(run.job.ids), len(run.tokens), run.keep,
                                                                  run.stats, run.draft)))

@@ -1,0 +1,206 @@
+"""How many tokens each row of a batched step verifies: the candidate length that maximises the tokens the
+batch is expected to decide per second of target call.
+
+On a CPU (and a GPU at small batches) a forward over B rows of P tokens costs little more than over B rows of 1
+until B x P reaches the point where the products stop being bound by reading the weights; past it the cost grows
+with every token. Speculation spends that flat part: a row whose drafts are often accepted gains from a longer
+candidate, a batch of rows whose drafts are rejected loses. `CostCurve` is that cost, measured on this machine for
+this model (`stored_curve` / `measured_curve`: measured once, at the first batched run, and kept beside the tuned
+settings; `python -m bench curve` measures and plots it); `Budget` reads it with each row's recent acceptance and
+picks, every step, one candidate length for the drafting rows (1 = a plain batched step: speculation backs off).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_redrafter.files import read_json, write_atomic
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one batched target call, per batch size B, for P = 1, 2, ... tokens per row."""
+
+    seconds: dict[int, list[float]]
+    context: int = 0  # committed tokens per row when measured
+    meta: dict = field(default_factory=dict)
+
+    def cost(self, rows: int, tokens: int) -> float:
+        """Seconds for `rows` rows of `tokens` tokens: the nearest measured batch size (the next larger one
+        scaled when `rows` is beyond the curve), linear between measured lengths and past the last."""
+        sizes = sorted(self.seconds)
+        b = min((s for s in sizes if s >= rows), default=sizes[-1])
+        curve = self.seconds[b]
+        scale = rows / b if rows > b else 1.0
+        if tokens <= len(curve):
+            return curve[tokens - 1] * scale
+        slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
+        return (curve[-1] + slope * (tokens - len(curve))) * scale
+
+    @classmethod
+    def measure(cls, model, batches: list[int], max_tokens: int, context: int = 128, repeats: int = 3,
+                progress=None) -> CostCurve:
+        """Time one forward of B rows x P tokens over `context` committed tokens per row (the median of
+        `repeats`, after one unmeasured run), for every B in `batches` and P in 1..max_tokens."""
+        from mlx_redrafter.batch.cache import RowsCache
+
+        one = model.make_cache(context)
+        model(mx.zeros((1, context), dtype=mx.int32), one)
+        one.advance(context)
+        mx.eval(*one.state())
+        out: dict[int, list[float]] = {}
+        for b in batches:
+            cache = RowsCache(model.args.num_hidden_layers, context + max_tokens)
+            for _ in range(b):
+                cache.join(one)
+            mx.eval(*cache.state())
+            out[b] = []
+            for p in range(1, max_tokens + 1):  # forwards write scratch entries only: the cache stays as joined
+                mask = mx.ones((b, 1, p, context + p), dtype=mx.bool_)
+                pos = mx.broadcast_to(mx.arange(context, context + p), (b, p))
+                times = []
+                for _ in range(repeats + 1):
+                    t = time.perf_counter()
+                    mx.eval(*model(mx.zeros((b, p), dtype=mx.int32), cache, pos, mask))
+                    times.append(time.perf_counter() - t)
+                out[b].append(sorted(times[1:])[len(times[1:]) // 2])
+                if progress:
+                    progress(b, p)
+        return cls(out, context)
+
+    def to_dict(self) -> dict:
+        return {"seconds": {str(b): [round(s, 6) for s in v] for b, v in self.seconds.items()},
+                "context": self.context, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        return cls({int(b): [float(s) for s in v] for b, v in d["seconds"].items()}, int(d.get("context", 0)),
+                   dict(d.get("meta", {})))
+
+    def save(self, path: Path) -> None:
+        write_atomic(Path(path), json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> CostCurve:
+        from mlx_redrafter.errors import UserError
+
+        d = read_json(Path(path), "cost curve")
+        try:
+            curve = cls.from_dict(d)
+            ok = curve.seconds and all(v and all(s > 0 for s in v) for v in curve.seconds.values())
+        except (KeyError, TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise UserError(f"{path}: not a cost curve ({{'seconds': {{batch: [seconds per P = 1, 2, ...]}}}}): "
+                            f"measure one with `python -m bench curve`")
+        return curve
+
+
+class Budget:
+    """Per step, the candidate length of each row (see the module docstring).
+
+    Each row's drafts are modelled as accepted one after another with probability `alpha` (an exponential
+    moving average of what its steps accepted), so a candidate of length l decides (1 - alpha**l) / (1 - alpha)
+    tokens on average. Without a curve every drafting row gets the full `length`. With one, the length l in
+    1..length that maximises the batch's expected tokens per second of target call; every `probe`-th step uses
+    the full length, so a row whose drafts start to pay is noticed again.
+    """
+
+    def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
+                 probe: int = 8):
+        self.length, self.curve, self.decay, self.prior, self.probe = length, curve, decay, prior, probe
+        self.alpha: list[float] = []
+        self.caps: list[int] = []  # each row's longest candidate
+        self.steps = 0
+        self.chosen: list[int] = []  # the length chosen at each step (for reports)
+
+    def join(self, cap: int | None = None) -> None:
+        """A row joins; its candidates are at most `cap` tokens (default: `length`)."""
+        self.alpha.append(self.prior)
+        self.caps.append(min(cap or self.length, self.length))
+
+    def select(self, keep: list[int]) -> None:
+        self.alpha = [self.alpha[i] for i in keep]
+        self.caps = [self.caps[i] for i in keep]
+
+    def expected(self, alpha: float, length: int) -> float:
+        """Tokens a candidate of `length` decides on average (the target's own token included)."""
+        return float(length) if alpha >= 1 else (1 - alpha**length) / (1 - alpha)
+
+    def lengths(self, drafts: list[bool], fixed: list[bool] | None = None) -> list[int]:
+        """The candidate length of each row this step (1 for rows that do not draft). `fixed` rows always get
+        their cap: a sampling row whose drafts must not depend on the other rows (its seeded output depends on
+        what it drafts, not only on the target), while greedy rows' output never does."""
+        lengths = self._common(drafts)
+        return [c if f and d else n for n, c, d, f in zip(lengths, self.caps, drafts, fixed or [False] * len(drafts))]
+
+    def _common(self, drafts: list[bool]) -> list[int]:
+        self.steps += 1
+        if not any(drafts):
+            best = 1
+        elif self.curve is None or self.steps % self.probe == 0:
+            best = self.length
+        else:
+            rows = len(drafts)
+
+            def rate(n: int) -> float:
+                gain = sum(self.expected(a, min(n, c) if d else 1) for a, c, d in zip(self.alpha, self.caps, drafts))
+                return gain / self.curve.cost(rows, n)
+
+            best = max(range(1, self.length + 1), key=rate)
+        self.chosen.append(best)
+        return [min(best, c) if d else 1 for c, d in zip(self.caps, drafts)]
+
+    def observe(self, lengths: list[int], accepted: list[int]) -> None:
+        """What the step's rows accepted (drafts) with the lengths they were given."""
+        for r, (n, a) in enumerate(zip(lengths, accepted)):
+            if n <= 1:
+                continue
+            trials = a + (a < n - 1)  # accepted drafts, then the rejected one (if the run ended early)
+            rate = a / trials if trials else self.alpha[r]
+            self.alpha[r] = self.decay * self.alpha[r] + (1 - self.decay) * rate
+
+
+MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
+
+
+def curve_file(model: str, fingerprint: str) -> Path:
+    """Where the measured curve of a model on this machine is kept (beside the tuned settings)."""
+    from mlx_redrafter.tuning import tuned_file
+
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{model}-{fingerprint}")
+    return tuned_file().parent / f"cost-curve-{safe}.json"
+
+
+def stored_curve(model: str, fingerprint: str, batch: int, length: int) -> CostCurve | None:
+    """The kept curve if it covers batches up to `batch` and `length` tokens per row, else None."""
+    path = curve_file(model, fingerprint)
+    if not path.exists():
+        return None
+    curve = CostCurve.load(path)
+    ok = all(b in curve.seconds and len(curve.seconds[b]) >= length for b in range(1, batch + 1))
+    return curve if ok else None
+
+
+def measured_curve(target_model, model: str, fingerprint: str, batch: int, length: int, log=None) -> CostCurve:
+    """The kept curve, or one measured now for batches 1..`batch` (at most 8: larger batches scale the cost of
+    8 rows) and 1..`length` tokens per row (a few seconds, once per model, machine and size) and kept."""
+    batch = min(batch, MEASURED_BATCHES)
+    curve = stored_curve(model, fingerprint, batch, length)
+    if curve is not None:
+        return curve
+    if log:
+        log(f"measuring the cost of batched target calls (batches 1-{batch}, 1-{length} tokens per row), once "
+            f"for this model on this machine: {curve_file(model, fingerprint)}")
+    curve = CostCurve.measure(target_model, list(range(1, batch + 1)), length, repeats=2)
+    curve.meta = {"model": model, "machine": fingerprint}
+    try:
+        curve.save(curve_file(model, fingerprint))
+    except OSError:
+        pass  # a read-only cache: the curve serves this run only
+    return curve

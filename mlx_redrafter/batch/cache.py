@@ -1,0 +1,110 @@
+"""A KV cache for a batch of sequences of different lengths.
+
+Every row shares the physical layout of `KVCache` (keys/values (B, n_kv_heads, capacity, head_dim); a forward
+writes its N new tokens at [offset, offset + N) for every row), but a row's committed entries are only the
+slots of [0, offset) marked in `valid`: the others are holes, masked out of every attention. Holes appear where
+a row accepted fewer tokens than the step's longest accepted row (the offset advances by the most any row
+committed) and where a row joined shorter than the others. Each row's entries carry their own RoPE positions
+(`lengths`), so holes change nothing but the masked keys a query skips.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_redrafter.cache import KVCache
+
+
+class RowsCache(KVCache):
+    def __init__(self, num_layers: int, capacity: int, step: int = 256):
+        super().__init__(num_layers, capacity, step)
+        self.valid = np.zeros((0, capacity), dtype=bool)  # (B, >= offset) committed slots per row
+        self.lengths: list[int] = []  # committed tokens per row (the next RoPE position)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def context_mask(self) -> mx.array:
+        """(B, offset) bool: the committed slots each row attends to."""
+        return mx.array(self.valid[:, : self.offset])
+
+    def _room(self, end: int) -> None:
+        if self.valid.shape[1] < end:
+            size = max(end, 2 * self.valid.shape[1])
+            self.valid = np.pad(self.valid, [(0, 0), (0, size - self.valid.shape[1])])
+
+    def join(self, row: KVCache) -> int:
+        """Append a sequence whose prompt `row` (a one-row cache) has prefilled; returns its row index.
+
+        Its `row.offset` entries go to the end of the committed region, [offset - n, offset); when it is longer
+        than that region, the region grows and the other rows get holes at its start. No other row is
+        recomputed."""
+        n = row.offset
+        end = max(self.offset, n)
+        self._room(end)
+        for i in range(self.num_layers):
+            k, v = row.keys[i][:, :, :n], row.values[i][:, :, :n]
+            if self.keys[i] is None:
+                size = max(self.capacity, end)
+                shape = (self.rows, k.shape[1], size, k.shape[3])
+                self.keys[i], self.values[i] = mx.zeros(shape, k.dtype), mx.zeros(shape, k.dtype)
+            cap = max(self.keys[i].shape[2], end)
+            if self.keys[i].shape[2] < cap:
+                grow = [(0, 0), (0, 0), (0, cap - self.keys[i].shape[2]), (0, 0)]
+                self.keys[i], self.values[i] = mx.pad(self.keys[i], grow), mx.pad(self.values[i], grow)
+            place = [(0, 0), (0, 0), (end - n, cap - end), (0, 0)]
+            self.keys[i] = mx.concatenate([self.keys[i], mx.pad(k, place)])
+            self.values[i] = mx.concatenate([self.values[i], mx.pad(v, place)])
+            self.capacity = cap
+        mask = np.zeros((1, self.valid.shape[1]), dtype=bool)
+        mask[0, end - n : end] = True
+        self.valid = np.concatenate([self.valid, mask])
+        self.lengths.append(n)
+        self.offset = end
+        return self.rows - 1
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (e.g. to drop finished sequences)."""
+        if rows == list(range(self.rows)):
+            return
+        if rows:
+            super().select(mx.array(rows, dtype=mx.int32))
+        else:
+            self.keys = [None] * self.num_layers
+            self.values = [None] * self.num_layers
+            self.offset = 0
+        self.valid = self.valid[rows]
+        self.lengths = [self.lengths[r] for r in rows]
+
+    def commit_rows(self, paths: mx.array | None, counts: list[int]) -> None:
+        """Commit each row's accepted path: `paths` (B, L) scratch indices (evaluated; None: in place), of which
+        row r keeps the first counts[r]; the offset advances by the largest count, the shorter rows leaving
+        holes."""
+        longest = max(counts, default=0)
+        if longest == 0:
+            return
+        if paths is not None and any(paths[r, :c].tolist() != list(range(c)) for r, c in enumerate(counts)):
+            lo, hi = self.offset, self.offset + paths.shape[1]
+            src = (self.offset + paths)[:, None, :, None]
+            for i in range(self.num_layers):
+                self.keys[i][:, :, lo:hi] = mx.take_along_axis(self.keys[i], src, axis=2)
+                self.values[i][:, :, lo:hi] = mx.take_along_axis(self.values[i], src, axis=2)
+        self._room(self.offset + longest)
+        for r, c in enumerate(counts):
+            self.valid[r, self.offset : self.offset + c] = True
+            self.lengths[r] += c
+        self.offset += longest
+
+    def extract(self, row: int, n: int) -> KVCache:
+        """A one-row `KVCache` holding the first n committed entries of a row, holes squeezed out."""
+        slots = np.flatnonzero(self.valid[row, : self.offset])[:n]
+        idx = mx.array(slots, dtype=mx.int32)
+        out = KVCache(self.num_layers, max(n, 1))
+        for i in range(self.num_layers):
+            out.keys[i] = self.keys[i][row : row + 1][:, :, idx]
+            out.values[i] = self.values[i][row : row + 1][:, :, idx]
+        out.offset = n
+        mx.eval(*out.state())
+        return out

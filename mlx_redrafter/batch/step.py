@@ -1,0 +1,90 @@
+"""One target call for a batch of sequences, by phase, for rows of a `RowsCache`.
+
+    ar_step:           every row feeds its last token; every row decides one token.
+    speculative_step:  draft (each row's own plan) -> pack (a tree per row, padded to the widest) -> verify (one
+                       forward: per-row positions and masks) -> accept (per row) -> commit (per row; holes)
+
+Rows never see each other: a row's queries attend to its own committed slots and its own tree; the padding of a
+narrower tree attends to the row's context and itself and is never read back. Each row's result is what the
+single-sequence step (step.py) would have decided for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_redrafter.accept import accept
+from mlx_redrafter.batch.cache import RowsCache
+from mlx_redrafter.draft.base import DecodeState, Slot, propose
+from mlx_redrafter.model import Model
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
+from mlx_redrafter.step import StepResult
+from mlx_redrafter.tree import pack
+
+
+@dataclass
+class Row:
+    """What a row brings to a step: its decode state, its draft plan and candidate length, its random stream and
+    sampling settings."""
+
+    state: DecodeState
+    plan: list[Slot]
+    length: int
+    rng: Rng | None = None
+    sampling: Sampling = GREEDY
+
+
+def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sampling],
+            rngs: list[Rng | None]) -> mx.array:
+    """Feed one token per row (B,); return each row's next token (B,) under its own sampling settings (lazy)."""
+    B = cache.rows
+    positions = mx.array(cache.lengths, dtype=mx.int32)[:, None]
+    mask = mx.concatenate([cache.context_mask(), mx.ones((B, 1), dtype=mx.bool_)], axis=1)[:, None, None]
+    logits, _ = model(tokens[:, None], cache, positions, mask)
+    cache.commit_rows(None, [1] * B)
+    if all(s.greedy for s in samplings):
+        return next_token(logits[:, -1], GREEDY, None)
+    return mx.concatenate([next_token(logits[r : r + 1, -1], s, rng)
+                           for r, (s, rng) in enumerate(zip(samplings, rngs))])
+
+
+def speculative_step(model: Model, cache: RowsCache, rows: list[Row]) -> list[StepResult]:
+    """Every row drafts by its own plan; one target call verifies every row's tree; each row keeps its longest
+    accepted run. Syncs once after drafting (tree sizes) and once at the end (the accepted tokens)."""
+    proposals = [propose(r.plan, r.state, r.length) for r in rows]  # draft
+    mx.eval([p.candidates for p in proposals])
+    trees = [pack(p.candidates) for p in proposals]  # pack
+    P = max(t.size for t in trees)
+    B, ctx = len(rows), cache.offset
+    pad = [P - t.size for t in trees]
+    tokens = mx.stack([mx.pad(t.tokens, [(0, n)]) for t, n in zip(trees, pad)])
+    depth = mx.stack([mx.pad(t.depth, [(0, n)]) for t, n in zip(trees, pad)])
+    own = mx.eye(P, dtype=mx.bool_)
+    tree_mask = mx.stack([mx.pad(t.mask, [(0, n), (0, n)]) | (own & (mx.arange(P) >= t.size)[:, None])
+                          for t, n in zip(trees, pad)])  # padding sees itself (and the row's context)
+    context = mx.broadcast_to(cache.context_mask()[:, None, :], (B, P, ctx))
+    mask = mx.concatenate([context, tree_mask], axis=2)[:, None]
+    positions = mx.array(cache.lengths, dtype=mx.int32)[:, None] + depth
+    logits, hidden = model(tokens, cache, positions, mask)  # verify
+    outs = []
+    for b, (row, p, t) in enumerate(zip(rows, proposals, trees)):  # accept
+        key = None if row.sampling.greedy else row.rng.next()
+        acc = accept(p.candidates, t, logits[b, : t.size], row.sampling, key)
+        n_real = mx.cumprod(p.candidates >= 0, axis=1).sum()
+        outs.append((acc, hidden[b, acc.stop][None], t.tokens[acc.path], n_real))
+    mx.eval([[a.n, a.path, a.next_token, h, d, a.matched, n] for a, h, d, n in outs])
+    width = max(a.path.shape[0] for a, *_ in outs)
+    paths = mx.stack([mx.pad(a.path, [(0, width - a.path.shape[0])]) for a, *_ in outs])
+    counts = [a.n.item() + 1 for a, *_ in outs]
+    cache.commit_rows(paths, counts)  # commit
+    results = []
+    for (acc, h, drafted, n_real), p, t, c in zip(outs, proposals, trees, counts):
+        n = c - 1
+        matched = acc.matched.tolist()
+        results.append(StepResult(
+            tokens=drafted[1 : n + 1].tolist() + acc.next_token.tolist(), g0=acc.next_token.astype(mx.int32), h=h,
+            accepted=n, verified=t.size, candidates=n_real.item(), runs=p.by_source(matched),
+            source=p.owner(matched.index(n)) if n > 0 else "", proposed=p.proposed()))
+    return results

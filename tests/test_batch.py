@@ -1,0 +1,178 @@
+"""Batched decoding: every row of a batch decodes exactly what its prompt decodes alone (greedy fp32: the same
+ids; sampling: the same distribution), whatever the batch size, the draft sources, the rows' lengths and when
+they join or leave; and the batch's cache keeps each row's context apart."""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from exactness import ar_tokens, divergence
+from test_sampling import ALPHA, exact_distribution, goodness_of_fit
+
+from mlx_redrafter import api
+from mlx_redrafter.batch.budget import Budget, CostCurve
+from mlx_redrafter.batch.cache import RowsCache
+from mlx_redrafter.batch.loop import generate_batch
+from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.lookup import LookupSource, NgramIndex
+from mlx_redrafter.draft.redrafter import RnnSource, random_drafter
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.sampling import Sampling
+
+MAX_TOKENS = 24
+TEXTS = [
+    "Say hello.",
+    "Copy this text exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps again.",
+    "What is 2 + 2? Reply with just the number.",
+    "Write a short poem about the sea, in four lines, with a rhyme in every second line.",
+    "Here is a list: red green blue red green blue red green. Now list three animals.",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(target, chat_ids):
+    tok = target.tokenizer
+    return [tok.encode_chat([{"role": "user", "content": t}]) for t in TEXTS] + [chat_ids[5], chat_ids[40]]
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target, prompts):
+    return [ar_tokens(target.model, p, MAX_TOKENS, target.tokenizer.eos_ids) for p in prompts]
+
+
+def batch_tokens(target, prompts, batch_size, allocator=lambda: None, length=4, curve=None,
+                 sampling=Sampling()) -> tuple[dict[int, list[int]], list]:
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    records = []
+    for i, r in generate_batch(target.model, prompts, batch_size=batch_size, max_tokens=MAX_TOKENS,
+                               eos_ids=target.tokenizer.eos_ids, sampling=sampling, allocator=allocator,
+                               length=length, budget=Budget(length, curve)):
+        out[i].extend(r.tokens)
+        records.append((i, r))
+    return out, records
+
+
+def assert_exact(target, prompts, ar_outputs, out):
+    for i, (p, ar) in enumerate(zip(prompts, ar_outputs)):
+        problem = divergence(target.model, p, ar, out[i])
+        assert problem is None, f"row {i}: {problem}"
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_batched_plain_decoding_equals_each_prompt_alone(target, prompts, ar_outputs, batch_size):
+    out, records = batch_tokens(target, prompts, batch_size)
+    assert_exact(target, prompts, ar_outputs, out)
+    assert all(r.verified <= 1 for _, r in records)
+
+
+@pytest.mark.parametrize("batch_size", [2, 4, 8])
+def test_batched_speculative_decoding_equals_each_prompt_alone(target, prompts, ar_outputs, batch_size):
+    """Trees of different sizes per row (a random drafter's 2 beams plus growing lookup copies), rows joining
+    mid-way (more prompts than rows) and finishing at different steps."""
+    drafter = random_drafter(576, 49152, seed=0, exit_dim=128, draft_vocab_size=4096)
+    alloc = lambda: Allocator([Slot(RnnSource(drafter, target.model.embed), 2),  # noqa: E731
+                               Slot(LookupSource(NgramIndex, max_length=9), 1)])
+    out, records = batch_tokens(target, prompts, batch_size, alloc)
+    assert_exact(target, prompts, ar_outputs, out)
+    assert any(r.accepted > 0 for _, r in records)  # copies were accepted: the commit moved real paths
+    steps_per_row = {i: sum(1 for j, r in records if j == i and not r.prefill) for i in range(len(prompts))}
+    assert len(set(steps_per_row.values())) > 1  # rows finished at different steps
+
+
+def test_every_draft_mode_of_the_shipped_drafter_batches_exactly(target, prompts, ar_outputs):
+    lm = api.LoadedModel(target, *api.resolve_drafter("default", target))
+    for mode in ("auto", "rnn", "lookup", "rnn+lookup"):
+        options = api.decode_options(draft=mode, max_tokens=MAX_TOKENS)
+        out, _ = batch_tokens(target, prompts, 4, lambda o=options: api.make_allocator(lm, o))
+        assert_exact(target, prompts, ar_outputs, out)
+
+
+def test_the_budget_backs_off_to_plain_steps_when_drafts_do_not_pay(target, prompts, ar_outputs):
+    """A curve where every extra token costs as much as a whole call: speculation cannot pay, the budget picks
+    length 1 except on its probe steps, and the output is still exact."""
+    steep = CostCurve({b: [float(p) for p in range(1, 9)] for b in (1, 2, 4, 8)})
+    drafter = random_drafter(576, 49152, seed=0, exit_dim=128, draft_vocab_size=4096)
+    alloc = lambda: Allocator([Slot(RnnSource(drafter, target.model.embed), 1)])  # noqa: E731
+    out, records = batch_tokens(target, prompts, 4, alloc, curve=steep)
+    assert_exact(target, prompts, ar_outputs, out)
+    decode = [r for _, r in records if not r.prefill]
+    assert sum(r.verified == 1 for r in decode) > len(decode) // 2
+
+
+def test_api_batch_matches_generate(target):
+    lm = api.LoadedModel(target, *api.resolve_drafter("default", target))
+    texts = TEXTS[:3]
+    batch = api.generate_batch(lm, texts, batch_size=2, max_tokens=16)
+    for t, res in zip(texts, batch):
+        alone = api.generate(lm, t, max_tokens=16)
+        assert res.tokens == alone.tokens and res.text == alone.text
+        assert res.stats.generated_tokens == len(res.tokens)
+    with pytest.raises(UserError):
+        api.generate_batch(lm, texts, batch_size=0)
+
+
+def test_rows_keep_their_own_context(target):
+    """Rows of different lengths in one cache: a row joined later sits at the end of the committed region and
+    its holes are masked; dropping a row keeps the others' entries and lengths."""
+    model = target.model
+    cache = RowsCache(model.args.num_hidden_layers, 64)
+    for n in (5, 9, 3):
+        one = model.make_cache(n)
+        model(mx.array([list(range(100, 100 + n))]), one)
+        one.advance(n)
+        cache.join(one)
+    assert cache.offset == 9 and cache.lengths == [5, 9, 3]
+    assert cache.valid[:, :9].sum(axis=1).tolist() == [5, 9, 3]
+    assert cache.valid[2, 6:9].all() and not cache.valid[2, :6].any()
+    cache.select([2, 0])
+    assert cache.lengths == [3, 5] and cache.keys[0].shape[0] == 2
+
+
+def test_seeded_batched_sampling_matches_the_target_distribution(target, lm_for_sampling):
+    """Each row samples from the target's own distribution (rows of one prompt, each with its own seed)."""
+    model, prompt, alloc = lm_for_sampling
+    s = Sampling(temperature=1.0, top_k=3, seed=1000)
+    cache = model.make_cache(len(prompt) + 8)
+    model(mx.array([prompt[:-1]]), cache)
+    cache.advance(len(prompt) - 1)
+    expected = exact_distribution(model, cache, prompt[-1], s, 3)
+    rows: dict[int, list[int]] = {}
+    for i, r in generate_batch(model, [prompt] * 240, batch_size=6, max_tokens=3, sampling=s, allocator=alloc,
+                               length=3):
+        rows.setdefault(i, []).extend(r.tokens)
+    counts = Counter(tuple(toks) for toks in rows.values())
+    assert len(counts) > 3 and goodness_of_fit(counts, expected) > ALPHA
+
+
+@pytest.fixture(scope="module")
+def lm_for_sampling(target):
+    tok, model = target.tokenizer, target.model
+    prompt = tok.encode_chat([{"role": "user", "content": "Write one sentence about the sea."}])
+    drafter, _ = api.resolve_drafter("default", target)
+
+    def alloc():
+        return Allocator([Slot(RnnSource(drafter, model.embed), 3), Slot(LookupSource(NgramIndex), 1)])
+
+    return model, prompt, alloc
+
+
+def test_a_removed_row_takes_a_cache_that_continues_exactly(target, prompts):
+    """A row taken out mid-way (e.g. a server request that finished or was cancelled) carries a compact cache of
+    exactly the tokens it reports; continuing from it equals decoding those tokens from scratch; a row added with
+    a cache that holds its history prefills only the new tokens and decodes exactly."""
+    from mlx_redrafter.batch.loop import Batch
+
+    model, eos = target.model, target.tokenizer.eos_ids
+    batch = Batch(model, eos, length=4)
+    for k in range(3):
+        batch.add(k, prompts[k], max_tokens=200, allocator=Allocator([Slot(LookupSource(NgramIndex), 1)]))
+    for _ in range(4):
+        batch.step()
+    cache, held = batch.remove(1, with_cache=True)
+    assert batch.keys == [0, 2] and cache.offset == len(held) and held[: len(prompts[1])] == prompts[1]
+    more = ar_tokens(model, held, 8, eos)
+    resumed = Batch(model, eos, length=4)
+    got = resumed.add("again", [more[0]], max_tokens=7, cache=cache, history=held).tokens
+    while not resumed.done():
+        got += [t for _, r in resumed.step() for t in r.tokens]
+    assert got == ar_tokens(model, held + [more[0]], 7, eos)
