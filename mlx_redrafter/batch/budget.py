@@ -45,8 +45,9 @@ class CostCurve:
     @classmethod
     def measure(cls, model, batches: list[int], max_tokens: int, context: int = 128, repeats: int = 3,
                 progress=None) -> CostCurve:
-        """Time one forward of B rows x P tokens over `context` committed tokens per row (the median of
-        `repeats`, after one unmeasured run), for every B in `batches` and P in 1..max_tokens."""
+        """Time one forward of B rows x P tokens over `context` committed tokens per row (the fastest of
+        `repeats`, after one unmeasured run: the cost without the machine's noise), for every B in `batches` and P
+        in 1..max_tokens."""
         from mlx_redrafter.batch.cache import RowsCache
 
         one = model.make_cache(context)
@@ -68,7 +69,7 @@ class CostCurve:
                     t = time.perf_counter()
                     mx.eval(*model(mx.zeros((b, p), dtype=mx.int32), cache, pos, mask))
                     times.append(time.perf_counter() - t)
-                out[b].append(sorted(times[1:])[len(times[1:]) // 2])
+                out[b].append(min(times[1:]))
                 if progress:
                     progress(b, p)
         return cls(out, context)
@@ -107,8 +108,10 @@ class Budget:
     Each row's drafts are modelled as accepted one after another with probability `alpha` (an exponential
     moving average of what its steps accepted), so a candidate of length l decides (1 - alpha**l) / (1 - alpha)
     tokens on average. Without a curve every drafting row gets the full `length`. With one, the length l in
-    1..length that maximises the batch's expected tokens per second of target call; every `probe`-th step uses
-    the full length, so a row whose drafts start to pay is noticed again.
+    1..length that maximises the batch's expected tokens per second; a step's cost is the curve's, times what
+    steps of that length have really cost over the curve's figure on this run (`overhead`: drafting, packing and
+    acceptance are not in the curve). While speculation is backed off (l = 1), every `probe`-th step drafts 2
+    tokens, so rows whose drafts start to pay are noticed again at little cost.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
@@ -116,7 +119,9 @@ class Budget:
         self.length, self.curve, self.decay, self.prior, self.probe = length, curve, decay, prior, probe
         self.alpha: list[float] = []
         self.caps: list[int] = []  # each row's longest candidate
+        self.overhead: dict[int, float] = {}  # common length -> measured step cost / the curve's
         self.steps = 0
+        self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
         self.chosen: list[int] = []  # the length chosen at each step (for reports)
 
     def join(self, cap: int | None = None) -> None:
@@ -132,38 +137,50 @@ class Budget:
         """Tokens a candidate of `length` decides on average (the target's own token included)."""
         return float(length) if alpha >= 1 else (1 - alpha**length) / (1 - alpha)
 
+    def cost(self, rows: int, length: int) -> float:
+        """Expected seconds of a step of `rows` rows at a common candidate length."""
+        return self.curve.cost(rows, length) * self.overhead.get(length, self.overhead.get(2, 1.0)
+                                                                 if length > 1 else 1.0)
+
     def lengths(self, drafts: list[bool], fixed: list[bool] | None = None) -> list[int]:
         """The candidate length of each row this step (1 for rows that do not draft). `fixed` rows always get
         their cap: a sampling row whose drafts must not depend on the other rows (its seeded output depends on
         what it drafts, not only on the target), while greedy rows' output never does."""
-        lengths = self._common(drafts)
-        return [c if f and d else n for n, c, d, f in zip(lengths, self.caps, drafts, fixed or [False] * len(drafts))]
+        best = self._common(drafts)
+        self.last = (len(drafts), best)
+        self.chosen.append(best)
+        fixed = fixed or [False] * len(drafts)
+        return [(c if f else min(best, c)) if d else 1 for c, d, f in zip(self.caps, drafts, fixed)]
 
-    def _common(self, drafts: list[bool]) -> list[int]:
+    def _common(self, drafts: list[bool]) -> int:
         self.steps += 1
         if not any(drafts):
-            best = 1
-        elif self.curve is None or self.steps % self.probe == 0:
-            best = self.length
-        else:
-            rows = len(drafts)
+            return 1
+        if self.curve is None:
+            return self.length
+        rows = len(drafts)
 
-            def rate(n: int) -> float:
-                gain = sum(self.expected(a, min(n, c) if d else 1) for a, c, d in zip(self.alpha, self.caps, drafts))
-                return gain / self.curve.cost(rows, n)
+        def rate(n: int) -> float:
+            gain = sum(self.expected(a, min(n, c) if d else 1) for a, c, d in zip(self.alpha, self.caps, drafts))
+            return gain / self.cost(rows, n)
 
-            best = max(range(1, self.length + 1), key=rate)
-        self.chosen.append(best)
-        return [min(best, c) if d else 1 for c, d in zip(self.caps, drafts)]
+        best = max(range(1, self.length + 1), key=rate)
+        if best == 1 and self.steps % self.probe == 0:
+            return min(2, self.length)
+        return best
 
-    def observe(self, lengths: list[int], accepted: list[int]) -> None:
-        """What the step's rows accepted (drafts) with the lengths they were given."""
+    def observe(self, lengths: list[int], accepted: list[int], seconds: float | None = None) -> None:
+        """What the step's rows accepted (drafts) with the lengths they were given, and what the step cost."""
         for r, (n, a) in enumerate(zip(lengths, accepted)):
             if n <= 1:
                 continue
             trials = a + (a < n - 1)  # accepted drafts, then the rejected one (if the run ended early)
             rate = a / trials if trials else self.alpha[r]
             self.alpha[r] = self.decay * self.alpha[r] + (1 - self.decay) * rate
+        rows, n = self.last
+        if seconds is not None and self.curve is not None and rows:
+            ratio = seconds / self.curve.cost(rows, n)
+            self.overhead[n] = self.decay * self.overhead.get(n, ratio) + (1 - self.decay) * ratio
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost

@@ -77,6 +77,22 @@ class RowsCache(KVCache):
             self.offset = 0
         self.valid = self.valid[rows]
         self.lengths = [self.lengths[r] for r in rows]
+        self.trim()
+
+    def trim(self, least: int = 64) -> None:
+        """Drop the leading slots no row uses any more (left by rows that finished), when there are at least
+        `least` of them and a quarter of the committed region: attention and masks then cover only live rows'
+        spans, at the price of one copy of the cache."""
+        used = self.valid[:, : self.offset].any(axis=0)
+        first = int(used.argmax()) if used.any() else self.offset
+        if first < max(least, self.offset // 4):
+            return
+        for i in range(self.num_layers):
+            if self.keys[i] is not None:
+                self.keys[i], self.values[i] = self.keys[i][:, :, first:], self.values[i][:, :, first:]
+        self.valid = self.valid[:, first:]
+        self.offset -= first
+        self.capacity = max(self.capacity - first, 1)
 
     def commit_rows(self, paths: mx.array | None, counts: list[int]) -> None:
         """Commit each row's accepted path: `paths` (B, L) scratch indices (evaluated; None: in place), of which

@@ -138,7 +138,7 @@ class Batch:
                     s.allocator.update(results[i].runs)
         seconds = time.perf_counter() - t
         accepted = [0] * len(seqs) if results is None else [res.accepted for res in results]
-        self.budget.observe(lengths, accepted)
+        self.budget.observe(lengths, accepted, seconds)
         out = []
         for i, (s, d) in enumerate(zip(seqs, decided)):
             tokens = s.emit(d)
@@ -153,11 +153,11 @@ class Batch:
 
     def _plain(self, seqs: list[_Seq]) -> list[list[int]]:
         g0 = mx.concatenate([s.state.g0 for s in seqs])
-        nxt = ar_step(self.model, self.cache, g0, [s.sampling for s in seqs], [s.rng for s in seqs])
-        mx.eval(nxt)
+        nxt, hidden = ar_step(self.model, self.cache, g0, [s.sampling for s in seqs], [s.rng for s in seqs])
+        mx.eval(nxt, hidden)
         decided = [[x] for x in nxt.tolist()]
-        for s, d in zip(seqs, decided):
-            s.state.g0 = mx.array(d, dtype=mx.int32)
+        for r, s in enumerate(seqs):
+            s.state.g0, s.state.h = nxt[r : r + 1], hidden[r : r + 1]
         return decided
 
 

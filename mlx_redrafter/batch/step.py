@@ -37,17 +37,18 @@ class Row:
 
 
 def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sampling],
-            rngs: list[Rng | None]) -> mx.array:
-    """Feed one token per row (B,); return each row's next token (B,) under its own sampling settings (lazy)."""
+            rngs: list[Rng | None]) -> tuple[mx.array, mx.array]:
+    """Feed one token per row (B,); return each row's next token (B,) under its own sampling settings and its
+    hidden state there (B, H) (what a drafter conditions on) (lazy)."""
     B = cache.rows
     positions = mx.array(cache.lengths, dtype=mx.int32)[:, None]
     mask = mx.concatenate([cache.context_mask(), mx.ones((B, 1), dtype=mx.bool_)], axis=1)[:, None, None]
-    logits, _ = model(tokens[:, None], cache, positions, mask)
+    logits, hidden = model(tokens[:, None], cache, positions, mask)
     cache.commit_rows(None, [1] * B)
     if all(s.greedy for s in samplings):
-        return next_token(logits[:, -1], GREEDY, None)
+        return next_token(logits[:, -1], GREEDY, None), hidden[:, -1]
     return mx.concatenate([next_token(logits[r : r + 1, -1], s, rng)
-                           for r, (s, rng) in enumerate(zip(samplings, rngs))])
+                           for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1]
 
 
 def speculative_step(model: Model, cache: RowsCache, rows: list[Row]) -> list[StepResult]:
