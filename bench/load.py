@@ -1,5 +1,6 @@
 """Load test of `redrafter-mlx serve`: K concurrent clients x M requests each, against the same requests one at a
-time, on a server this tool starts on 127.0.0.1 (or one you point it at).
+time, on a server this tool starts on 127.0.0.1 (or one you point it at). The one-client level sends every prompt
+the other levels use at least once: it is their reference.
 
 Per concurrency level: requests per second and tokens per second over the level's wall time, latency and time
 to first token (p50 / p95), and every greedy answer checked token-identical (as text) to the one-at-a-time
@@ -79,8 +80,9 @@ def run_load(url: str, prompts: list[str], clients: list[int], requests_per_clie
     started = time.perf_counter()
     reference = {}
     levels = []
+    used = min(len(prompts), max(clients) * requests_per_client)  # every prompt a level sends has a reference
     for k in [1, *[c for c in clients if c != 1]]:
-        n = k * requests_per_client
+        n = max(k * requests_per_client, used) if k == 1 else k * requests_per_client
         work = [prompts[i % len(prompts)] for i in range(n)]
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(k) as pool:

@@ -65,9 +65,11 @@ class KVCache:
             return
         src = self.offset + path
         lo, hi = self.offset, self.offset + path.shape[0]
-        for i in range(self.num_layers):
-            self.keys[i][:, :, lo:hi] = self.keys[i][:, :, src]
-            self.values[i][:, :, lo:hi] = self.values[i][:, :, src]
+        moved = [(self.keys[i][:, :, src], self.values[i][:, :, src]) for i in range(self.num_layers)]
+        mx.eval(moved)  # gathered first: the writes below then update the cache in place instead of copying it
+        for i, (k, v) in enumerate(moved):
+            self.keys[i][:, :, lo:hi] = k
+            self.values[i][:, :, lo:hi] = v
         self.offset += n
 
     def select(self, rows: mx.array) -> None:

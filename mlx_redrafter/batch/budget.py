@@ -110,16 +110,19 @@ class Budget:
     tokens on average. Without a curve every drafting row gets the full `length`. With one, the length l in
     1..length that maximises the batch's expected tokens per second; a step's cost is the curve's, times what
     steps of that length have really cost over the curve's figure on this run (`overhead`: drafting, packing and
-    acceptance are not in the curve). While speculation is backed off (l = 1), every `probe`-th step drafts 2
-    tokens, so rows whose drafts start to pay are noticed again at little cost.
+    acceptance are not in the curve). At a batch size whose plain steps have not been measured yet, or where
+    speculative steps measured fewer tokens per second than plain ones, plain steps are taken whatever the model
+    says. Every `probe`-th step tries the other
+    kind (2 drafted tokens while backed off, a plain step otherwise), so both measurements stay current.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
-                 probe: int = 8):
+                 probe: int = 12):
         self.length, self.curve, self.decay, self.prior, self.probe = length, curve, decay, prior, probe
         self.alpha: list[float] = []
         self.caps: list[int] = []  # each row's longest candidate
         self.overhead: dict[int, float] = {}  # common length -> measured step cost / the curve's
+        self.rate: dict[tuple[int, bool], float] = {}  # (rows, speculative?) -> measured tokens per second
         self.steps = 0
         self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
         self.chosen: list[int] = []  # the length chosen at each step (for reports)
@@ -165,8 +168,11 @@ class Budget:
             return gain / self.cost(rows, n)
 
         best = max(range(1, self.length + 1), key=rate)
-        if best == 1 and self.steps % self.probe == 0:
-            return min(2, self.length)
+        spec, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
+        if best > 1 and (plain is None or spec is not None and spec < plain):
+            best = 1  # measure plain steps at this batch size first; where speculation measured less, plain
+        if self.steps % self.probe == 0:  # try the other kind now and then, so the measurements stay current
+            return min(2, self.length) if best == 1 else 1
         return best
 
     def observe(self, lengths: list[int], accepted: list[int], seconds: float | None = None) -> None:
@@ -178,9 +184,11 @@ class Budget:
             rate = a / trials if trials else self.alpha[r]
             self.alpha[r] = self.decay * self.alpha[r] + (1 - self.decay) * rate
         rows, n = self.last
-        if seconds is not None and self.curve is not None and rows:
+        if seconds is not None and self.curve is not None and rows and seconds > 0:
             ratio = seconds / self.curve.cost(rows, n)
             self.overhead[n] = self.decay * self.overhead.get(n, ratio) + (1 - self.decay) * ratio
+            key, got = (rows, n > 1), (rows + sum(accepted)) / seconds
+            self.rate[key] = self.decay * self.rate.get(key, got) + (1 - self.decay) * got
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
