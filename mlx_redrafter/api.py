@@ -23,6 +23,7 @@ from mlx_redrafter.draft.base import Allocator
 from mlx_redrafter.draft.kinds import AnyDrafter, draft_kind, load_any_drafter
 from mlx_redrafter.draft.modes import Mode
 from mlx_redrafter.draft.redrafter import Drafter, check_compatible, dequantize_drafter, random_drafter
+from mlx_redrafter.drafter_spec import DrafterSpec, parse_drafter_spec  # noqa: F401 (re-exported)
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Record, Stats, generate_ar, generate_speculative
 from mlx_redrafter.models.loader import DEFAULT_MODEL, Target, load_target
@@ -70,36 +71,6 @@ class Result:
     tokens: list[int]
     stats: Stats
     settings: dict = field(default_factory=dict)
-
-
-@dataclass
-class DrafterSpec:
-    """A parsed --drafter value: 'default', 'none', 'random:SEED[:EXIT_DIM]' or a path."""
-
-    kind: str  # default | none | random | path
-    seed: int = 0
-    exit_dim: int | None = None
-    path: str = ""
-
-
-def parse_drafter_spec(spec: str | None) -> DrafterSpec:
-    """The one parser of drafter specs (used by loading and by tuned-settings keys)."""
-    if spec in (None, "", "none"):
-        return DrafterSpec("none")
-    if spec == "default":
-        return DrafterSpec("default")
-    if spec.startswith("random"):
-        parts = spec.split(":")
-        try:
-            d = DrafterSpec("random", seed=int(parts[1]) if len(parts) > 1 else 0,
-                            exit_dim=int(parts[2]) if len(parts) > 2 else None)
-        except ValueError:
-            d = None
-        if d is None or len(parts) > 3 or not 0 <= d.seed < 1 << 63:
-            raise UserError(f"bad drafter spec {spec!r}: use random:SEED or random:SEED:EXIT_DIM (integers, "
-                            f"SEED >= 0)")
-        return d
-    return DrafterSpec("path", path=spec)
 
 
 def resolve_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None, str]:

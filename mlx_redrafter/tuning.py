@@ -17,9 +17,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.api import parse_drafter_spec
 from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.modes import CHOICES
+from mlx_redrafter.drafter_spec import parse_drafter_spec
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json, write_atomic
 from mlx_redrafter.models.loader import DTYPE_CHOICES
