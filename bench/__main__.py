@@ -403,23 +403,24 @@ def curve(
     batches: str = typer.Option("1,2,3,4,5,6,7,8", help="Batch sizes (rows), comma-separated."),
     max_tokens: int = typer.Option(8, help="Tokens per row: 1..N."),
     context: int = typer.Option(128, help="Committed tokens per row."),
-    repeats: int = typer.Option(5, help="Timed forwards per cell (median)."),
+    repeats: int = typer.Option(5, help="Timed forwards per cell (the fastest is kept)."),
     keep: bool = typer.Option(True, "--keep/--no-keep", help="Also keep it as this machine's curve for batched "
                               "decoding of the embedded model."),
 ) -> None:
     """The cost of one batched target call per rows x tokens per row (what batched speculation spends)."""
-    from mlx_redrafter.batch.budget import curve_file
+    from mlx_redrafter.batch.budget import CostCurve, curve_file
     from mlx_redrafter.system.machine import fingerprint
     from mlx_redrafter.system.machine_state import machine_now
 
-    from .batch import cost_curve, curve_markdown
+    from .batch import curve_markdown
 
     bs = c.int_list(batches, "--batches")
     if min(bs) < 1 or max(bs) > 64 or not 1 <= max_tokens <= 64 or not 1 <= context <= 4096 or repeats < 1:
         raise UserError("--batches 1..64, --max-tokens 1..64, --context 1..4096, --repeats >= 1")
     lm = api_load()
     before = machine_now()
-    cv = cost_curve(lm, bs, max_tokens, context, repeats, log=lambda m: typer.echo(m, err=True))
+    cv = CostCurve.measure(lm.target.model, bs, max_tokens, context, repeats,
+                           progress=lambda b, p: typer.echo(f"curve: B={b} P={p}", err=True))
     cv.meta = {"model": lm.target.name, "machine": fingerprint(), "machine_state": before}
     out = Path(__file__).resolve().parent / "results" / device
     out.mkdir(parents=True, exist_ok=True)

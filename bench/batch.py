@@ -21,14 +21,6 @@ from mlx_redrafter.batch.budget import CostCurve
 from mlx_redrafter.generate import collect, generate_ar
 
 
-def cost_curve(lm: api.LoadedModel, batches: list[int], max_tokens: int, context: int, repeats: int,
-               log=print) -> CostCurve:
-    """The measured curve (batch/budget.py) with each batch's cost relative to one row of one token."""
-    curve = CostCurve.measure(lm.target.model, batches, max_tokens, context, repeats,
-                              progress=lambda b, p: log(f"curve: B={b} P={p}") if p == max_tokens else None)
-    return curve
-
-
 def curve_markdown(curve: CostCurve) -> str:
     base = curve.seconds[min(curve.seconds)][0]
     P = max(len(v) for v in curve.seconds.values())
@@ -117,13 +109,10 @@ def markdown(res: dict[str, Any], title: str) -> str:
     for b in batches:
         s, p, m = by.get((b, "speculative")), by.get((b, "plain")), by.get((b, "mlx-lm"))
         ratio = s["tokens_per_s"] / p["tokens_per_s"] if s and p else float("nan")
+        mlx = (f"{m['tokens_per_s']:.1f}", f"{m['ids_equal_alone']}/{m['prompts']}") if m else ("-", "-")
         lines.append(f"| {b} | {s['tokens_per_s']:.1f} | {s['tokens_per_row_call']:.2f} | {p['tokens_per_s']:.1f} | "
-                     f"{m['tokens_per_s']:.1f} | **{ratio:.2f}x** | {s['ids_equal_alone']}/{s['prompts']}, "
-                     f"{p['ids_equal_alone']}/{p['prompts']}, {m['ids_equal_alone']}/{m['prompts']} |"
-                     if m else
-                     f"| {b} | {s['tokens_per_s']:.1f} | {s['tokens_per_row_call']:.2f} | {p['tokens_per_s']:.1f} | "
-                     f"- | **{ratio:.2f}x** | {s['ids_equal_alone']}/{s['prompts']}, "
-                     f"{p['ids_equal_alone']}/{p['prompts']}, - |")
+                     f"{mlx[0]} | **{ratio:.2f}x** | {s['ids_equal_alone']}/{s['prompts']}, "
+                     f"{p['ids_equal_alone']}/{p['prompts']}, {mlx[1]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -125,7 +125,6 @@ class Budget:
         self.rate: dict[tuple[int, bool], float] = {}  # (rows, speculative?) -> measured tokens per second
         self.steps = 0
         self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
-        self.chosen: list[int] = []  # the length chosen at each step (for reports)
 
     def join(self, cap: int | None = None) -> None:
         """A row joins; its candidates are at most `cap` tokens (default: `length`)."""
@@ -151,7 +150,6 @@ class Budget:
         what it drafts, not only on the target), while greedy rows' output never does."""
         best = self._common(drafts)
         self.last = (len(drafts), best)
-        self.chosen.append(best)
         fixed = fixed or [False] * len(drafts)
         return [(c if f else min(best, c)) if d else 1 for c, d, f in zip(self.caps, drafts, fixed)]
 
@@ -167,7 +165,8 @@ class Budget:
             gain = sum(self.expected(a, min(n, c) if d else 1) for a, c, d in zip(self.alpha, self.caps, drafts))
             return gain / self.cost(rows, n)
 
-        best = max(range(1, self.length + 1), key=rate)
+        longest = max(c for c, d in zip(self.caps, drafts) if d)  # no row drafts more than its cap
+        best = max(range(1, longest + 1), key=rate)
         spec, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
         if best > 1 and (plain is None or spec is not None and spec < plain):
             best = 1  # measure plain steps at this batch size first; where speculation measured less, plain
