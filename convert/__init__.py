@@ -3,10 +3,6 @@
     python -m convert.from_torch PATH [--out DIR] [--model M] [--dtype D] [--quantize 4|8] [--group-size G]
     python -m convert.to_torch DRAFTER_DIR --out DIR [--dtype D] [--approximate-draft-vocab] [--dequantize]
 
-Both are entry points: importing this package installs the optimized BLAS for MLX (it must come before mlx.core is
-imported; see mlx_redrafter/system/blas.py).
+Importing the package changes nothing in the process. The converters move and check tensors but do no matrix
+products worth a faster BLAS, so they run on MLX's own (`install_blas()` is for decoding and training).
 """
-
-from mlx_redrafter import install_blas
-
-install_blas()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
 import sys
 
 import mlx.core as mx
@@ -171,6 +172,18 @@ def test_malformed_tuned_settings(tmp_path, case):
     assert "tuned settings file" in msg
 
 
+def test_a_tuned_mode_the_drafter_cannot_serve_names_the_tuned_file(tmp_path, monkeypatch):
+    """The mode came from the tuned file, not from a flag: the message must not blame --draft."""
+    from mlx_redrafter import tuning
+
+    f = tmp_path / "tuned.json"
+    monkeypatch.setenv("REDRAFTER_TUNED_FILE", str(f))
+    tuning.store(None, "default", {"draft": "medusa"})
+    msg = assert_one_line_error(generate(tmp_path, REDRAFTER_TUNED_FILE=str(f)), "draft medusa from the tuned "
+                                f"settings file {f}", "needs a Medusa drafter")
+    assert not msg.startswith("--draft")
+
+
 PROMPTS_CASES = {
     "a directory": ("dir", ["is a directory"]),
     "not UTF-8": (b'{"prompt": "caf\xe9"}\n', ["not UTF-8", "line 1"]),
@@ -198,6 +211,21 @@ def test_a_prompt_that_is_not_utf8(tmp_path):
     """A command-line byte that is not UTF-8 reaches Python as a lone surrogate (surrogateescape)."""
     proc = run([*CLI, "generate", "-n", "2", "-p", os.fsdecode(b"caf\xe9 \xff")], tmp_path)
     assert_one_line_error(proc, "the prompt is not valid UTF-8 text", "the byte 0xe9")
+
+
+def test_a_piped_chat_line_that_is_not_utf8_ends_the_chat(tmp_path):
+    """Piped input cannot be retyped, so a refused line is bad input of the run: one error line, exit 2, and the
+    lines after it are not answered (at a terminal the chat goes on)."""
+    from one_line import cli_env
+
+    proc = subprocess.run([*CLI, "chat", "-n", "2"], input=b"caf\xe9 \xff\nhello\n", capture_output=True,
+                          timeout=300, env=cli_env(tmp_path), cwd=tmp_path)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "not valid UTF-8 text" in errors[0], err
+    assert proc.stdout.decode().count(">>>") + err.count(">>>") == 1, (proc.stdout, err)
 
 
 @pytest.mark.parametrize("body,needle", [

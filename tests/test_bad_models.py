@@ -73,6 +73,8 @@ GGUF_CASES = {
                                                                              bytes(68)))), ["block of 32"]),
     "tensor offset past the data": (patch(BASE, F["t3.offset"], "<Q", 1 << 62), ["corrupt file"]),
     "misaligned tensor offset": (patch(BASE, F["t3.offset"], "<Q", 3), ["alignment"]),
+    "tensors sharing bytes": (patch(BASE, F["t3.offset"], "<Q", struct.unpack_from("<Q", BASE, F["t2.offset"])[0]),
+                              ["share bytes", "corrupt file"]),
     "duplicate tensor": (with_tensors(llama_tensors(VOCAB) + llama_tensors(VOCAB)[-1:]), ["appears twice"]),
     "cut inside the metadata": (BASE[:F["kv12.value"] + 10], ["past the end of the file", "re-download"]),
     "cut after the metadata": (BASE[:LAYOUT.data_start + 100], ["incomplete download", "re-download"]),
@@ -239,6 +241,12 @@ DIR_CASES = {
     "weights header not JSON": (dict(model__safetensors=struct.pack("<Q", 9) + b"not json!"), ["not valid JSON"]),
     "weights header lies about sizes": (dict(model__safetensors=safetensors_bytes(
         {"w": {"dtype": "F32", "shape": [1 << 20], "data_offsets": [0, 8]}}, bytes(8))), ["data_offsets"]),
+    "weights sharing bytes": (dict(model__safetensors=safetensors_bytes(
+        {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12))), ["share bytes 4-7"]),
+    "weights with a gap": (dict(model__safetensors=safetensors_bytes(
+        {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+         "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}}, bytes(20))), ["bytes 8-11", "no tensor"]),
     "weights of an unknown dtype": (dict(model__safetensors=safetensors_bytes(
         {"w": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, bytes(16))), ["dtype 'F128'"]),
     "weights that do not fit the config": (dict(model__safetensors=safetensors_bytes(

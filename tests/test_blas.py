@@ -34,7 +34,8 @@ def probe(imports: str = "", after: str = "", **env: str) -> tuple[dict, str]:
 
 def test_importing_the_library_leaves_the_process_blas_alone():
     p = subprocess.run([sys.executable, "-c", "import mlx_redrafter, mlx_redrafter.api, mlx_redrafter.sweep, "
-                        "mlx_redrafter.train.loop; maps = open('/proc/self/maps').read(); "
+                        "mlx_redrafter.train.loop, convert.from_torch, convert.to_torch; "
+                        "maps = open('/proc/self/maps').read(); "
                         "print('libmkl' in maps, '_smallgemm' in maps)"], capture_output=True, text=True, check=True)
     assert p.stdout.split() == ["False", "False"] and p.stderr == ""
 

@@ -50,8 +50,9 @@ def _read(prompt: str) -> str | None:
     return None if line in ("", "/quit", "/exit") else line
 
 
-def _answer(session, line: str) -> None:
-    """Stream one answer to stdout; a short summary line goes to stderr."""
+def _answer(session, line: str) -> bool:
+    """Stream one answer to stdout; a short summary line goes to stderr. False when the line was refused (its
+    `error:` line printed)."""
     from mlx_redrafter.errors import UserError
 
     before = session.last
@@ -65,19 +66,20 @@ def _answer(session, line: str) -> None:
             pass
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
-            return
+            return False
         finally:
             answer.close()  # ends the answer now, whatever stopped it: the session records it consistently
     t = session.last
     sys.stdout.write("\n")
     if t is before:  # stopped before the answer began
         typer.echo("[stopped]", err=True)
-        return
+        return True
     if t.dropped_turns:
         typer.echo(f"[context full: dropped the {t.dropped_turns} oldest turn(s) and re-read the rest]", err=True)
     stopped = " - answer stopped" if t.stop == "interrupted" else ""
     typer.echo(f"[{len(t.tokens)} tokens, {t.stats.decode_tokens_per_s:.1f} tok/s, {t.stats.tokens_per_step:.2f} "
                f"tokens/call, prefill {t.prefill_tokens} tokens{stopped}]", err=True)
+    return True
 
 
 @c.one_line_errors
@@ -96,16 +98,14 @@ def chat(
     flags: dict,
 ) -> None:
     """Interactive chat with streaming output and KV-cache reuse across turns. /help lists the commands."""
-    from mlx_redrafter import api
     from mlx_redrafter.chat import ChatSession
-    from mlx_redrafter.draft.modes import wants_drafter
     from mlx_redrafter.models.templates import load_template_option
 
     res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
     custom = None if template == "own" else load_template_option(template)
     if sys.stderr.isatty():
         typer.echo("loading model...", err=True)
-    lm = api.load(model, drafter if wants_drafter(res.options.draft) else "none", res.dtype)
+    lm = c.load_model(model, drafter, res)
     tok = lm.tokenizer
     if custom is not None:
         tok.set_template(custom, f"--template {template}")
@@ -116,7 +116,8 @@ def chat(
     if not tok.chat_template:
         typer.echo("note: the model has no chat template: prompts are plain text (try --template vicuna)", err=True)
     typer.echo("Type a message; /help for commands; empty line, Ctrl-D or Ctrl-C quits.", err=True)
-    if sys.stdin.isatty():
+    interactive = sys.stdin.isatty()  # at a terminal a refused line can be retyped; piped input cannot
+    if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
@@ -131,5 +132,5 @@ def chat(
             typer.echo(session.stats_text())
         elif line.startswith("/") and " " not in line:
             typer.echo(f"unknown command {line}; /help lists the commands")
-        else:
-            _answer(session, line)
+        elif not _answer(session, line) and not interactive:
+            raise typer.Exit(2)  # piped input: a refused line ends the run, as bad input does in every command

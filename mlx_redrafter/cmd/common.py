@@ -159,6 +159,19 @@ def resolve_options(model: str | None, drafter: str, dtype: str, flags: dict[str
     return res
 
 
+def load_model(model: str | None, drafter: str, res: Any) -> Any:
+    """The target (and the drafter its resolved mode wants) for a decoding command; a mode the loaded drafter
+    cannot serve fails here, before any output, naming the tuned settings file when the mode came from it."""
+    from mlx_redrafter import api, tuning
+
+    lm = api.load(model, drafter if modes.wants_drafter(res.options.draft) else "none", res.dtype)
+    asked_by = None
+    if res.origin.get("draft") == "tuned":
+        asked_by = f"draft {res.options.draft} from the tuned settings file {tuning.tuned_file()}"
+    modes.resolve(res.options.draft, lm.drafter_kind, lm.target.name, lm.drafter_name, asked_by)
+    return lm
+
+
 def decoding_notes(lm: Any, res: Any) -> list[str]:
     """One-line notes on how decoding will run that a user would not guess: drafting by lookup because no drafter
     was found for `auto`, a tuned plain-AR entry overridden by a drafting flag."""

@@ -30,7 +30,6 @@ def generate(
 ) -> None:
     """Generate a completion, with speculative decoding unless --no-draft."""
     from mlx_redrafter import api
-    from mlx_redrafter.draft.modes import wants_drafter
     from mlx_redrafter.generate import Stats
     from mlx_redrafter.prompts import read_prompts
 
@@ -38,8 +37,8 @@ def generate(
         raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
     res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
     prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
-    lm = api.load(model, drafter if wants_drafter(res.options.draft) else "none", res.dtype)
-    s = api.settings(lm, res.options)  # a mode the loaded drafter cannot serve fails here, before any output
+    lm = c.load_model(model, drafter, res)
+    s = api.settings(lm, res.options)
     for note in c.decoding_notes(lm, res):
         typer.echo(f"note: {note}", err=True)
     if batch_size != 1:

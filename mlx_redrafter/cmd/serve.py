@@ -32,7 +32,6 @@ def serve(
     import uvicorn
 
     from mlx_redrafter import api
-    from mlx_redrafter.draft.modes import wants_drafter
     from mlx_redrafter.server.app import create_app
     from mlx_redrafter.server.scheduler import Scheduler
 
@@ -44,8 +43,7 @@ def serve(
             raise UserError(f"{name} must be from {lo} to 1024 (got {value})")
     check_address(host, port)  # before the model loads: a port in use fails in a moment, not after the load
     res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
-    lm = api.load(model, drafter if wants_drafter(res.options.draft) else "none", res.dtype)
-    api.draft_mode(lm, res.options)  # a mode the loaded drafter cannot serve fails now
+    lm = c.load_model(model, drafter, res)
     typer.echo(f"{c.banner(lm, res)}", err=True)
     for note in c.decoding_notes(lm, res):
         typer.echo(f"note: {note}", err=True)

@@ -87,9 +87,11 @@ def get(draft: str | Mode) -> Mode:
     return draft if isinstance(draft, Mode) else MODES[draft]
 
 
-def resolve(draft: str | Mode, drafter_kind: str | None, target_name: str, drafter_name: str) -> Mode:
+def resolve(draft: str | Mode, drafter_kind: str | None, target_name: str, drafter_name: str,
+            asked_by: str | None = None) -> Mode:
     """The mode decoding uses: `auto` resolved for the loaded drafter's kind; a mode needing another kind of
-    drafter (or one when none is loaded) is a one-line UserError."""
+    drafter (or one when none is loaded) is a one-line UserError naming `asked_by` (where the mode came from;
+    default "--draft NAME")."""
     kind = drafter_kind or "none"
     if draft == AUTO:
         return next(m for m in MODES.values() if kind in m.auto_for)
@@ -97,8 +99,9 @@ def resolve(draft: str | Mode, drafter_kind: str | None, target_name: str, draft
     if mode.drafter is None or mode.drafter == drafter_kind:
         return mode
     need = DRAFTER_NAMES[mode.drafter]
+    asked = asked_by or f"--draft {mode.name}"
     if drafter_kind is None:
-        raise UserError(f"--draft {mode.name} needs a {need} drafter, but none is loaded for {target_name}: pass "
+        raise UserError(f"{asked} needs a {need} drafter, but none is loaded for {target_name}: pass "
                         f"--drafter DIR with one, or use --draft lookup (or auto)")
-    raise UserError(f"--draft {mode.name} needs a {need} drafter, but {drafter_name} is a "
+    raise UserError(f"{asked} needs a {need} drafter, but {drafter_name} is a "
                     f"{DRAFTER_NAMES[drafter_kind]} drafter: pass --drafter DIR with one, or use --draft auto")

@@ -242,6 +242,11 @@ def parse_header(data: Any, where: str) -> GGUFHeader:
         if t.offset + t.nbytes > packed:
             raise r.fail(f"tensor {t.name!r} has its data at byte {t.offset:,}, past the end of the data its tensor "
                          f"table describes ({packed:,} bytes): a corrupt file")
+    ordered = sorted(tensors, key=lambda t: t.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if b.offset < a.offset + a.nbytes:
+            raise r.fail(f"tensors {a.name!r} and {b.name!r} share bytes {b.offset:,}-"
+                         f"{min(a.offset + a.nbytes, b.offset + b.nbytes) - 1:,} of the file: a corrupt file")
     need = max((t.offset + t.nbytes for t in tensors), default=0)
     if need > r.size:
         raise UserError(f"{where} is an incomplete download: its tensors need {need:,} bytes but the file has "

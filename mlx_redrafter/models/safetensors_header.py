@@ -2,7 +2,8 @@
 {name: {"dtype", "shape", "data_offsets": [begin, end]}} (plus "__metadata__": {str: str}), then the data.
 
 Every entry's dtype must be one MLX reads, its shape a list of non-negative integers, its byte range exactly
-shape x itemsize and inside the data section; a file cut short is an incomplete download.
+shape x itemsize and inside the data section, and the ranges tile the data section (no overlap, no gap); a file
+cut short is an incomplete download.
 """
 
 from __future__ import annotations
@@ -49,7 +50,26 @@ def parse_header(head: bytes, size: int, where: str) -> dict[str, dict[str, Any]
                 raise UserError(f"{where}: the safetensors __metadata__ must map strings to strings")
             continue
         out[key] = _check_entry(key, info, data, where)
+    _check_layout(out, data, where)
     return out
+
+
+def _check_layout(entries: dict[str, dict[str, Any]], data: int, where: str) -> None:
+    """The tensors' byte ranges tile the data section: no two share a byte and none leaves a gap (what the
+    safetensors format requires; a file that breaks it was corrupted or hand-made)."""
+    at, prev = 0, None
+    for key, info in sorted(entries.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        begin, end = info["data_offsets"]
+        if begin < at:
+            raise UserError(f"{where} has a corrupt safetensors header: tensors {prev!r} and {key!r} share bytes "
+                            f"{begin:,}-{at - 1:,} of the data section")
+        if begin > at:
+            raise UserError(f"{where} has a corrupt safetensors header: bytes {at:,}-{begin - 1:,} of the data "
+                            f"section belong to no tensor")
+        at, prev = max(at, end), key
+    if at != data:
+        raise UserError(f"{where} has a corrupt safetensors header: its tensors end at byte {at:,} of a data "
+                        f"section of {data:,}")
 
 
 def _check_entry(key: str, info: Any, data: int, where: str) -> dict[str, Any]:
