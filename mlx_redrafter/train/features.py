@@ -171,6 +171,10 @@ def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, na
     t0, done = time.perf_counter(), 0
     for n in relabel + forced:
         sh = load_shard(corpus.root / n, vocab)
+        if paths[n].hidden.exists() and paths[n].labels.exists():  # built meanwhile by another worker
+            if bar is not None:
+                bar.update(int(sh.offsets[-1]))
+            continue
         if n in relabel:
             hidden = np.load(paths[n].hidden, mmap_mode="r")
             if hidden.shape[0] != context_count(sh):
