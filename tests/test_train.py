@@ -11,7 +11,7 @@ from mlx_redrafter.cmd.app import app
 from mlx_redrafter.draft.redrafter import load_drafter, random_drafter, save_drafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.train.corpus import Corpus, load_shard
-from mlx_redrafter.train.distill import grow
+from mlx_redrafter.train.distill import grow, partial_path
 from mlx_redrafter.train.features import feature_paths, teacher_forced
 from mlx_redrafter.train.greedy import GreedySource, generate_greedy
 from mlx_redrafter.train.loop import TrainConfig, train_drafter
@@ -74,6 +74,29 @@ def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target
     (root / "shard-00002.npz").write_bytes(b"junk")
     with pytest.raises(UserError, match="corrupt.*make distill"):
         Corpus(root).shards()
+
+
+def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_file, tmp_path):
+    """A kill inside a shard keeps its finished batches; the resumed shard equals an uninterrupted one."""
+    settings = Settings(max_new_tokens=8, shard_size=4, batch_size=2, heldout=4, turn2_every=2)
+    source = GreedySource(target, prompts_file, settings, capture=True)
+    job = source.jobs()[0]
+    corpus = Corpus(tmp_path / "c", target.model.args.vocab_size)
+
+    def killed(units, tokens):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        source.make(job, corpus, killed)
+    assert partial_path(corpus, job.name).exists()
+    new_tokens = []
+    resumed = source.make(job, corpus, lambda units, tokens: new_tokens.append(tokens))
+    assert new_tokens[0] == 0 and new_tokens[1] > 0  # the first batch came from the partial file
+    fresh = source.make(job, Corpus(tmp_path / "d", target.model.args.vocab_size), lambda units, tokens: None)
+    assert resumed.seqs == fresh.seqs and resumed.prompt_lens == fresh.prompt_lens
+    assert all(np.array_equal(a, b) for a, b in zip(resumed.hidden, fresh.hidden))
+    grow(source, target, tmp_path / "c", max_shards=1, progress=False, log=lambda m: None)
+    assert not partial_path(corpus, job.name).exists()  # removed once the shard is written
 
 
 def test_turn2_sequences_continue_the_first_answer(target, corpus_dirs):

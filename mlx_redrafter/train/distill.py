@@ -82,6 +82,12 @@ class SequenceSource(Protocol):
         """The sequences of `job`; calls progress(units done, new tokens) as it goes."""
 
 
+def partial_path(corpus: Corpus, name: str) -> Path:
+    """Where a source may keep the finished part of shard `name` while making it, so that an interrupted run
+    resumes inside the shard (a dot file beside the corpus, ignored by git; removed once the shard is written)."""
+    return corpus.root / f".{name}.partial.npz"
+
+
 def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tuple[int, int] = (0, 1),
          max_shards: int | None = None, hours: float | None = None, features_dir: str | Path | None = None,
          progress: bool = True, log: Callable[[str], None] = print) -> Corpus:
@@ -147,6 +153,7 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
                 "plan_rows": [job.rows[0], job.rows[-1]] if job.rows else [], "parents": job.parents,
                 **made.info, "seconds": round(seconds, 1), "new_tokens_per_s": round(resp / max(seconds, 1e-9), 1),
             })
+            partial_path(corpus, job.name).unlink(missing_ok=True)
             log(f"{job.name}: {source.kind} turn {job.turn} {job.split}, {len(made.seqs)} sequences, {resp} response "
                 f"tokens, {seconds:.0f} s ({resp / max(seconds, 1e-9):.0f} tok/s); corpus "
                 f"{corpus.stats()['response_tokens']} response tokens")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from mlx_redrafter.model import Model
 from mlx_redrafter.models.loader import Target
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
-from mlx_redrafter.train.distill import Made
+from mlx_redrafter.train.distill import Made, partial_path
 from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, hash_unit, plan_jobs, plan_order
 
 
@@ -87,6 +88,49 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
     return out, [np.stack(h[: len(o)]) for h, o in zip(hids, out)]
 
 
+class Partial:
+    """The finished batches of a shard being made, kept beside the corpus (`.shard-NNNNN.partial.npz`, never
+    committed) so that an interrupted `distill` resumes inside the shard instead of starting it again. Greedy
+    answers are deterministic, so a resumed shard equals an uninterrupted one. The file is keyed by the prompts
+    and settings; one that does not match (or does not load) is ignored and overwritten."""
+
+    def __init__(self, path: Path, prompts: list[list[int]], max_new_tokens: int, capture: bool):
+        h = hashlib.sha256(f"{max_new_tokens}:{capture}:".encode())
+        for p in prompts:
+            h.update(np.asarray(p, dtype=np.int64).tobytes() + b"|")
+        self.path, self.key, self.capture = path, h.hexdigest(), capture
+
+    def load(self) -> tuple[dict[int, list[int]], dict[int, np.ndarray]]:
+        if not self.path.exists():
+            return {}, {}
+        try:
+            with np.load(self.path, allow_pickle=False) as z:
+                if str(z["key"]) != self.key:
+                    return {}, {}
+                idx, offsets, tokens = z["index"].tolist(), z["offsets"], z["tokens"]
+                responses = {i: tokens[offsets[k]:offsets[k + 1]].tolist() for k, i in enumerate(idx)}
+                hiddens = ({i: z["hidden"][offsets[k]:offsets[k + 1]] for k, i in enumerate(idx)}
+                           if self.capture else {})
+        except (OSError, ValueError, KeyError, IndexError):
+            return {}, {}
+        return responses, hiddens
+
+    def save(self, responses: dict[int, list[int]], hiddens: dict[int, np.ndarray]) -> None:
+        import io
+
+        from mlx_redrafter.files import write_atomic
+
+        idx = sorted(responses)
+        offsets = np.cumsum([0] + [len(responses[i]) for i in idx])
+        arrays = {"key": np.array(self.key), "index": np.array(idx, dtype=np.int64), "offsets": offsets,
+                  "tokens": np.array([t for i in idx for t in responses[i]], dtype=np.int64)}
+        if self.capture:
+            arrays["hidden"] = np.concatenate([hiddens[i] for i in idx])
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        write_atomic(self.path, buf.getvalue())
+
+
 def follow_up_suffix(target: Target, text: str) -> list[int]:
     """Token ids that close the assistant's turn-1 answer (after its eos) and open a turn-2 reply to `text`."""
     tok = target.tokenizer
@@ -145,16 +189,20 @@ class GreedySource:
         keep = [i for i, x in enumerate(ids) if x is not None and 0 < len(x) <= s.max_prompt_tokens]
         prompts = [ids[i] for i in keep]
         by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
-        responses: dict[int, list[int]] = {}
-        hiddens: dict[int, np.ndarray] = {}
+        saved = Partial(partial_path(corpus, job.name), prompts, s.max_new_tokens, self.capture)
+        responses, hiddens = saved.load()
         for b in range(0, len(by_len), s.batch_size):
             part = [int(i) for i in by_len[b:b + s.batch_size]]
+            if all(i in responses for i in part):  # made before an interruption
+                progress(len(part), 0)
+                continue
             outs, hid = generate_greedy(self.target.model, [prompts[i] for i in part], s.max_new_tokens,
                                         tok.eos_ids, capture=self.capture)
             for k, (i, o) in enumerate(zip(part, outs)):
                 responses[i] = o
                 if hid is not None:
                     hiddens[i] = hid[k]
+            saved.save(responses, hiddens)
             progress(len(part), sum(len(o) for o in outs))
         progress(len(job.rows) - len(keep), 0)
         index = [job.rows[i] for i in keep]
