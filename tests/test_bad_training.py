@@ -189,6 +189,7 @@ def test_corpus_token_ids_outside_the_vocabulary(tmp_path, command):
     ("--exit-dim", "0", "--exit-dim must be"), ("--draft-len", "0", "--draft-len must be"),
     ("--labels", "fuzzy", "--labels must be one of 'hard', 'soft'"), ("--corpus-tokens", "0", "--corpus-tokens"),
     ("--eval-prompts", "-1", "--eval-prompts must be"), ("--seed", "-3", "--seed must be"),
+    ("--init-from", ".", "is not a drafter folder"),
 ])
 def test_train_options_out_of_range(tmp_path, option, value, needle):
     out = tmp_path / "out"

@@ -188,6 +188,9 @@ def train(
                                      help="Keep the vocabulary projection at the target's own output rows."),
     weight_decay: float = typer.Option(TrainConfig.weight_decay, help="AdamW weight decay."),
     seed: int = typer.Option(TrainConfig.seed, help="Random seed."),
+    init_from: Path | None = typer.Option(None, "--init-from", help="Start from this drafter's weights and head "
+                                          "vocabulary (e.g. fine-tune a shipped drafter on new data); its shape "
+                                          "replaces the shape options."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from RUN_DIR/checkpoint."),
     float16: bool = typer.Option(True, "--float16/--float32", help="Storage dtype of the saved weights."),
     eval_prompts: int = typer.Option(0, help="Also measure tokens per target call on this many held-out prompts."),
@@ -212,7 +215,10 @@ def train(
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
                       feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
-                      kind=kind).check()
+                      kind=kind, init_from=str(init_from) if init_from is not None else None).check()
+    if init_from is not None and not (init_from / "config.json").is_file():
+        raise UserError(f"--init-from {init_from} is not a drafter folder (no config.json): give the folder of a "
+                        f"drafter, e.g. mlx_redrafter/drafters/<model>")
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
     check_option("--eval-prompts", eval_prompts, Field("", int, 0, 100_000))
     run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")
