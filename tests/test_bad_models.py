@@ -293,3 +293,17 @@ def test_a_float_vocabulary_array_is_read_as_numbers():
     """Metadata arrays come back as Python values (the checks see what the tokenizer will use)."""
     meta = parse_header(with_meta(tokenizer__ggml__scores=(F32, [0.5] * VOCAB)), "x").metadata
     assert meta["tokenizer.ggml.scores"] == [0.5] * VOCAB and meta["llama.embedding_length"] == 64
+
+
+def test_the_template_budget_counts_cpu_time_not_waiting():
+    """A low-priority job on a busy machine waits for the CPU: that must not stop its chat template (it stopped the
+    data job once). Sleeping past the budget, then running Python lines, stays within it."""
+    import time
+
+    from mlx_redrafter.models.templates import RENDER_SECONDS, _Budget
+
+    def slow_to_get_the_cpu():
+        time.sleep(RENDER_SECONDS + 0.3)
+        return sum(i for i in range(100))
+
+    assert _Budget().run(slow_to_get_the_cpu) == 4950

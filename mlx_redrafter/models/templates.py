@@ -83,7 +83,7 @@ def load_template_option(value: str) -> str:
 
 # Rendering budget: a template is code from a model file, so it runs sandboxed (no attribute writes, no unsafe
 # calls) and within these limits. Real chat templates take about a millisecond and a few kilobytes.
-RENDER_SECONDS = 2.0  # compile or render time
+RENDER_SECONDS = 2.0  # CPU time of one compile or render (not wall time: a busy or low-priority process waits)
 MAX_CHARS = 16_000_000  # output, and any string or list one operation builds
 MAX_ARG = 1_000_000  # an integer passed to a filter or method (widths, counts: center, indent, slice, batch, ...)
 MAX_MEMORY = 512 << 20  # bytes the process may grow by while a template runs
@@ -99,14 +99,14 @@ class _Budget:
     (sys.settrace), plus the checks of single operations that could build something huge at once."""
 
     def __init__(self) -> None:
-        self.deadline = time.monotonic() + RENDER_SECONDS
+        self.deadline = time.thread_time() + RENDER_SECONDS
         self.rss0 = _max_rss()
         self.events = 0
 
     def trace(self, frame: Any, event: str, arg: Any) -> Any:
         self.events += 1
-        if time.monotonic() > self.deadline:
-            raise _OverBudget(f"it ran longer than {RENDER_SECONDS:g} s (an endless or huge loop?)")
+        if time.thread_time() > self.deadline:
+            raise _OverBudget(f"it ran longer than {RENDER_SECONDS:g} s of CPU time (an endless or huge loop?)")
         if self.events % 8 == 0 and _max_rss() - self.rss0 > MAX_MEMORY:
             raise _OverBudget(f"it used more than {MAX_MEMORY >> 20} MB of memory")
         return self.trace
