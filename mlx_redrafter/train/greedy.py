@@ -89,7 +89,7 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
 
 
 class Partial:
-    """The finished batches of a shard being made, kept beside the corpus (`.shard-NNNNN.partial.npz`, never
+    """The finished batches of a shard being made, kept beside the corpus (`.shard-NNNNN.npz.partial.npz`, never
     committed) so that an interrupted `distill` resumes inside the shard instead of starting it again. Greedy
     answers are deterministic, so a resumed shard equals an uninterrupted one. The file is keyed by the prompts
     and settings; one that does not match (or does not load) is ignored and overwritten."""
