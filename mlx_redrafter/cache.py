@@ -65,12 +65,16 @@ class KVCache:
             return
         src = self.offset + path
         lo, hi = self.offset, self.offset + path.shape[0]
-        moved = [(self.keys[i][:, :, src], self.values[i][:, :, src]) for i in range(self.num_layers)]
-        mx.eval(moved)  # gathered first: the writes below then update the cache in place instead of copying it
+        self._place(lo, hi, [(self.keys[i][:, :, src], self.values[i][:, :, src]) for i in range(self.num_layers)])
+        self.offset += n
+
+    def _place(self, lo: int, hi: int, moved: list[tuple[mx.array, mx.array]]) -> None:
+        """Write gathered (keys, values) per layer to slots lo:hi. The gather is evaluated first: a write that
+        read the cache it writes would copy the whole cache instead of updating it in place."""
+        mx.eval(moved)
         for i, (k, v) in enumerate(moved):
             self.keys[i][:, :, lo:hi] = k
             self.values[i][:, :, lo:hi] = v
-        self.offset += n
 
     def select(self, rows: mx.array) -> None:
         """Keep only these batch rows (in this order), e.g. to drop finished sequences from a batch."""

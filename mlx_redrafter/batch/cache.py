@@ -104,12 +104,8 @@ class RowsCache(KVCache):
         if paths is not None and any(paths[r, :c].tolist() != list(range(c)) for r, c in enumerate(counts)):
             lo, hi = self.offset, self.offset + paths.shape[1]
             src = (self.offset + paths)[:, None, :, None]
-            moved = [(mx.take_along_axis(self.keys[i], src, axis=2), mx.take_along_axis(self.values[i], src, axis=2))
-                     for i in range(self.num_layers)]
-            mx.eval(moved)  # gathered first: the writes below then update the cache in place instead of copying it
-            for i, (k, v) in enumerate(moved):
-                self.keys[i][:, :, lo:hi] = k
-                self.values[i][:, :, lo:hi] = v
+            self._place(lo, hi, [(mx.take_along_axis(self.keys[i], src, axis=2),
+                                  mx.take_along_axis(self.values[i], src, axis=2)) for i in range(self.num_layers)])
         self._room(self.offset + longest)
         for r, c in enumerate(counts):
             self.valid[r, self.offset : self.offset + c] = True

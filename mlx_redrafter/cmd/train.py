@@ -216,9 +216,14 @@ def train(
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
                       feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
                       kind=kind, init_from=str(init_from) if init_from is not None else None).check()
-    if init_from is not None and not (init_from / "config.json").is_file():
-        raise UserError(f"--init-from {init_from} is not a drafter folder (no config.json): give the folder of a "
-                        f"drafter, e.g. mlx_redrafter/drafters/<model>")
+    if init_from is not None:
+        from mlx_redrafter.draft.kinds import check_drafter_config
+
+        try:
+            check_drafter_config(init_from)
+        except UserError as e:
+            raise UserError(f"--init-from {init_from} is not a drafter folder ({e}): give the folder of a drafter, "
+                            f"e.g. mlx_redrafter/drafters/<model>") from None
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
     check_option("--eval-prompts", eval_prompts, Field("", int, 0, 100_000))
     run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model
 from mlx_redrafter.models.loader import Target
 from mlx_redrafter.train.batch import left_padded
@@ -116,10 +118,6 @@ class Partial:
         return responses, hiddens
 
     def save(self, responses: dict[int, list[int]], hiddens: dict[int, np.ndarray]) -> None:
-        import io
-
-        from mlx_redrafter.files import write_atomic
-
         idx = sorted(responses)
         offsets = np.cumsum([0] + [len(responses[i]) for i in idx])
         arrays = {"key": np.array(self.key), "index": np.array(idx, dtype=np.int64), "offsets": offsets,
