@@ -13,7 +13,7 @@ from mlx_redrafter import api
 from mlx_redrafter.batch.budget import Budget, CostCurve
 from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.batch.loop import generate_batch
-from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.base import Allocator, DecodeState, Slot, propose, propose_rows
 from mlx_redrafter.draft.lookup import LookupSource, NgramIndex
 from mlx_redrafter.draft.redrafter import RnnSource, random_drafter
 from mlx_redrafter.errors import UserError
@@ -77,6 +77,42 @@ def test_batched_speculative_decoding_equals_each_prompt_alone(target, prompts, 
     assert any(r.accepted > 0 for _, r in records)  # copies were accepted: the commit moved real paths
     steps_per_row = {i: sum(1 for j, r in records if j == i and not r.prefill) for i in range(len(prompts))}
     assert len(set(steps_per_row.values())) > 1  # rows finished at different steps
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_rows_sharing_a_drafter_draft_together_what_each_drafts_alone(target, prompts, width):
+    """A batch's rows that use one drafter are drafted in one call (the weights are read once per drafted token,
+    not once per row), and each row gets the candidates it would get alone; a row whose lookup found a copy does
+    not ask its backup drafter."""
+    model = target.model
+    drafter, _ = api.resolve_drafter("default", target)
+    states = []
+    for p in prompts[:4]:
+        cache = model.make_cache(len(p))
+        _, hidden = model(mx.array([p[:-1]]), cache)
+        states.append(DecodeState(tokens=list(p), g0=mx.array(p[-1:], dtype=mx.int32), h=hidden[:, -1]))
+    calls = []
+
+    class Counted(RnnSource):
+        def propose_many(self, states, length, width):
+            calls.append(len(states))
+            return super().propose_many(states, length, width)
+
+    def plan():
+        lookup = LookupSource(NgramIndex)
+        return [Slot(lookup, 1), Slot(Counted(drafter, model.embed), width, backs_up="lookup")]
+
+    plans = [plan() for _ in states]
+    for r, (pl, st) in enumerate(zip(plans, states)):
+        pl[0].source.start(st.tokens if r == 1 else st.tokens[-1:])  # only row 1's lookup has text to copy from
+    together = propose_rows(plans, states, [4] * len(states))
+    assert len(calls) == 1
+    asked = calls[0]
+    calls.clear()
+    alone = [propose(pl, st, 4) for pl, st in zip(plans, states)]
+    assert calls == [1] * asked == [1] * (len(states) - 1)
+    for t, a in zip(together, alone):
+        assert t.rows == a.rows and t.candidates.tolist() == a.candidates.tolist()
 
 
 def test_every_draft_mode_of_the_shipped_drafter_batches_exactly(target, prompts, ar_outputs):

@@ -1,8 +1,9 @@
 """One target call for a batch of sequences, by phase, for rows of a `RowsCache`.
 
     ar_step:           every row feeds its last token; every row decides one token.
-    speculative_step:  draft (each row's own plan) -> pack (a tree per row, padded to the widest) -> verify (one
-                       forward: per-row positions and masks) -> accept (per row) -> commit (per row; holes)
+    speculative_step:  draft (each row's own plan; a drafter the rows share drafts for all of them in one call)
+                       -> pack (a tree per row, padded to the widest) -> verify (one forward: per-row positions
+                       and masks) -> accept (per row) -> commit (per row; holes)
 
 Rows never see each other: a row's queries attend to its own committed slots and its own tree; the padding of a
 narrower tree attends to the row's context and itself and is never read back. Each row's result is what the
@@ -17,7 +18,7 @@ import mlx.core as mx
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.batch.cache import RowsCache
-from mlx_redrafter.draft.base import DecodeState, Slot, propose
+from mlx_redrafter.draft.base import DecodeState, Slot, propose_rows
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
 from mlx_redrafter.step import StepResult
@@ -54,7 +55,7 @@ def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sa
 def speculative_step(model: Model, cache: RowsCache, rows: list[Row]) -> list[StepResult]:
     """Every row drafts by its own plan; one target call verifies every row's tree; each row keeps its longest
     accepted run. Syncs once after drafting (tree sizes) and once at the end (the accepted tokens)."""
-    proposals = [propose(r.plan, r.state, r.length) for r in rows]  # draft
+    proposals = propose_rows([r.plan for r in rows], [r.state for r in rows], [r.length for r in rows])  # draft
     mx.eval([p.candidates for p in proposals])
     trees = [pack(p.candidates) for p in proposals]  # pack
     P = max(t.size for t in trees)

@@ -52,6 +52,16 @@ class DraftSource(Protocol):
         """Up to `width` candidates (column 0 = g0), or None when there is nothing to propose."""
 
 
+class BatchedSource(DraftSource, Protocol):
+    """A source that can also propose for several sequences in one call. Sources with equal `batch_key`s are
+    interchangeable (stateless, same weights): `propose_many` of any one of them serves them all."""
+
+    batch_key: tuple
+
+    def propose_many(self, states: list[DecodeState], length: int, width: int) -> list[mx.array | None]:
+        """`propose` for each state, in order."""
+
+
 class Source:
     """Defaults for a stateless source of fixed-length candidates (subclasses set `name`, define `propose`)."""
 
@@ -115,14 +125,39 @@ def propose(plan: list[Slot], state: DecodeState, length: int) -> Proposal:
     """The candidates of every slot that proposes this step, in plan order, padded to one width. Backup slots are
     asked after the others, wherever they stand in the plan (one level: a backup does not back up a backup).
     With nothing proposed, the one candidate is g0 alone (the step is then an autoregressive step)."""
-    got: dict[int, mx.array] = {}
-    for i in sorted(range(len(plan)), key=lambda i: plan[i].backs_up is not None):
-        slot = plan[i]
-        if slot.width <= 0 or any(plan[j].source.name == slot.backs_up for j in got):
-            continue
-        c = slot.source.propose(state, length, slot.width)
-        if c is not None:
-            got[i] = c
+    return propose_rows([plan], [state], [length])[0]
+
+
+def propose_rows(plans: list[list[Slot]], states: list[DecodeState], lengths: list[int]) -> list[Proposal]:
+    """`propose` for several sequences at once (a batched step): each row's proposal is what `propose` gives it
+    alone, but sources with the same `batch_key` (e.g. one drafter shared by every row) are asked once for all the
+    rows that need them, so a batch reads the drafter's weights once per drafted token instead of once per row."""
+    got: list[dict[int, mx.array]] = [{} for _ in plans]
+    for backups in (False, True):  # backups after the others: whether they are asked depends on what those gave
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        for r, plan in enumerate(plans):
+            for i, slot in enumerate(plan):
+                if (slot.backs_up is not None) != backups or slot.width <= 0:
+                    continue
+                if any(plan[j].source.name == slot.backs_up for j in got[r]):
+                    continue
+                key = getattr(slot.source, "batch_key", None)
+                if key is None:
+                    c = slot.source.propose(states[r], lengths[r], slot.width)
+                    if c is not None:
+                        got[r][i] = c
+                else:
+                    groups.setdefault((key, lengths[r], slot.width), []).append((r, i))
+        for (_, length, width), members in groups.items():
+            r0, i0 = members[0]
+            outs = plans[r0][i0].source.propose_many([states[r] for r, _ in members], length, width)
+            for (r, i), c in zip(members, outs):
+                if c is not None:
+                    got[r][i] = c
+    return [_proposal(plan, got_r, state, length) for plan, got_r, state, length in zip(plans, got, states, lengths)]
+
+
+def _proposal(plan: list[Slot], got: dict[int, mx.array], state: DecodeState, length: int) -> Proposal:
     if not got:
         alone = mx.concatenate([state.g0.astype(mx.int32), mx.full((length - 1,), PAD, dtype=mx.int32)])[None]
         return Proposal(alone, [])

@@ -93,15 +93,24 @@ def greedy_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array
 
 class BeamSource(Source):
     """Candidates of a recurrent drafter: `width` beams of `length` tokens from the target's hidden state and g0
-    (width 1: greedy drafting)."""
+    (width 1: greedy drafting). Rows of a batch that share the drafter draft together (`propose_many`)."""
 
     name = "beam"
 
-    def __init__(self, drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array]):
+    def __init__(self, drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], key: tuple = ()):
+        """`key`: what besides the drafter and the embedding makes two sources draft differently."""
         self.drafter, self.embed = drafter, embed
+        owner = getattr(embed, "__self__", embed)  # a bound method is a new object at every attribute access
+        self.batch_key = (type(self).__name__, id(owner), getattr(embed, "__name__", ""), *(key or (id(drafter),)))
 
     def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
+        return self.propose_many([state], length, width)[0]
+
+    def propose_many(self, states: list[DecodeState], length: int, width: int) -> list[mx.array | None]:
+        h = states[0].h if len(states) == 1 else mx.concatenate([s.h for s in states])
+        g0 = states[0].g0 if len(states) == 1 else mx.concatenate([s.g0 for s in states])
         if width == 1:
-            return greedy_draft(self.drafter, self.embed, state.h, state.g0, length)[0]
-        beams, _ = beam_search(self.drafter, self.embed, state.h, state.g0, width, length)
-        return beams[0]
+            beams = greedy_draft(self.drafter, self.embed, h, g0, length)
+        else:
+            beams, _ = beam_search(self.drafter, self.embed, h, g0, width, length)
+        return [beams[b] for b in range(len(states))]

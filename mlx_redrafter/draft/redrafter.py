@@ -225,7 +225,8 @@ class RnnSource(BeamSource):
 
     def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array], vocab_rows: int = 0):
         """`vocab_rows` > 0: draft with only that many of the head's most frequent tokens (`FrequentHead`)."""
-        super().__init__(FrequentHead(drafter, vocab_rows) if vocab_rows else drafter, embed)
+        super().__init__(FrequentHead(drafter, vocab_rows) if vocab_rows else drafter, embed,
+                         key=(id(drafter), vocab_rows))
 
 
 def _quantize_linears(drafter: Drafter, bits: int, group_size: int) -> None:
