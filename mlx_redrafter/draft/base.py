@@ -150,7 +150,9 @@ def propose_rows(plans: list[list[Slot]], states: list[DecodeState], lengths: li
                     groups.setdefault((key, lengths[r], slot.width), []).append((r, i))
         for (_, length, width), members in groups.items():
             r0, i0 = members[0]
-            outs = plans[r0][i0].source.propose_many([states[r] for r, _ in members], length, width)
+            src = plans[r0][i0].source  # one row alone asks `propose`, the entry point of a one-sequence step
+            outs = ([src.propose(states[r0], length, width)] if len(members) == 1 else
+                    src.propose_many([states[r] for r, _ in members], length, width))
             for (r, i), c in zip(members, outs):
                 if c is not None:
                     got[r][i] = c
