@@ -34,7 +34,9 @@ class DecodeState:
 
 
 class DraftSource(Protocol):
-    """A source of candidate continuations (see the module docstring)."""
+    """A source of candidate continuations (see the module docstring). A source may also have a `batch_key` and
+    `propose_many(states, length, width)` (`propose` for each state, in order): sources with equal keys are
+    interchangeable (stateless, same weights), and `propose_rows` asks one of them for every row of a batch."""
 
     name: str
     optional: bool  # may sit out steps where it keeps finding nothing worth verifying (`Allocator`)
@@ -50,16 +52,6 @@ class DraftSource(Protocol):
 
     def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
         """Up to `width` candidates (column 0 = g0), or None when there is nothing to propose."""
-
-
-class BatchedSource(DraftSource, Protocol):
-    """A source that can also propose for several sequences in one call. Sources with equal `batch_key`s are
-    interchangeable (stateless, same weights): `propose_many` of any one of them serves them all."""
-
-    batch_key: tuple
-
-    def propose_many(self, states: list[DecodeState], length: int, width: int) -> list[mx.array | None]:
-        """`propose` for each state, in order."""
 
 
 class Source:
