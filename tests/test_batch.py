@@ -212,3 +212,23 @@ def test_a_removed_row_takes_a_cache_that_continues_exactly(target, prompts):
     while not resumed.done():
         got += [t for _, r in resumed.step() for t in r.tokens]
     assert got == ar_tokens(model, held + [more[0]], 7, eos)
+
+
+def test_the_budget_measures_plain_steps_first_and_probes_less_often_while_one_kind_keeps_winning():
+    """No model needed: the budget's choices alone. The first step at a batch size is plain (the reference); while
+    speculation keeps losing, the probes that try it come further and further apart (at most `max_probe`)."""
+    steep = CostCurve({b: [float(p) for p in range(1, 9)] for b in (1, 2, 4, 8)})
+    budget = Budget(4, steep, probe=4, max_probe=32)
+    for _ in range(4):
+        budget.join()
+    chosen = []
+    for _ in range(200):
+        lengths = budget.lengths([True] * 4)
+        chosen.append(max(lengths))
+        budget.observe(lengths, [0] * 4, seconds=float(max(lengths)))
+    assert chosen[0] == 1
+    probes = [i for i, n in enumerate(chosen) if n > 1]
+    assert probes and all(chosen[i] == 2 for i in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 32
+    assert len(probes) <= 10

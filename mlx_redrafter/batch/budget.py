@@ -108,23 +108,33 @@ class Budget:
     Each row's drafts are modelled as accepted one after another with probability `alpha` (an exponential
     moving average of what its steps accepted), so a candidate of length l decides (1 - alpha**l) / (1 - alpha)
     tokens on average. Without a curve every drafting row gets the full `length`. With one, the length l in
-    1..length that maximises the batch's expected tokens per second; a step's cost is the curve's, times what
-    steps of that length have really cost over the curve's figure on this run (`overhead`: drafting, packing and
-    acceptance are not in the curve). At a batch size whose plain steps have not been measured yet, or where
-    speculative steps measured fewer tokens per second than plain ones, plain steps are taken whatever the model
-    says. Every `probe`-th step tries the other
-    kind (2 drafted tokens while backed off, a plain step otherwise), so both measurements stay current.
+    1..length (1: a plain step) that maximises the batch's expected tokens per second. A step's cost is the
+    curve's, times what steps of that batch size and length really cost over the curve's figure in this run
+    (`overhead`: drafting, packing and acceptance are not in the curve, and they grow with the rows); a length
+    not measured yet at this batch size borrows the factor of the nearest measured one. The first step at a batch
+    size is plain (the reference the others are compared with). Now and then a step tries the other kind (2
+    drafted tokens while backed off, a plain step otherwise), so the acceptance and the costs stay current: after
+    `probe` steps, then twice as long after each probe that left the choice as it was (at most `max_probe`), so
+    a batch where one kind keeps winning spends little on the other.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
-                 probe: int = 12):
-        self.length, self.curve, self.decay, self.prior, self.probe = length, curve, decay, prior, probe
+                 probe: int = 12, max_probe: int = 96):
+        self.length, self.curve, self.decay, self.prior = length, curve, decay, prior
+        self.probe, self.max_probe = probe, max_probe
         self.alpha: list[float] = []
         self.caps: list[int] = []  # each row's longest candidate
-        self.overhead: dict[int, float] = {}  # common length -> measured step cost / the curve's
-        self.rate: dict[tuple[int, bool], float] = {}  # (rows, speculative?) -> measured tokens per second
+        self.overhead: dict[tuple[int, int], float] = {}  # (rows, common length) -> measured cost / the curve's
         self.steps = 0
         self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
+        self.speculating = False  # the kind the model chose at the last step
+        self.next_probe, self.interval = probe, probe
+
+    @property
+    def caps_candidates(self) -> bool:
+        """Whether the lengths given are hard caps (with a curve: the cost was computed for them) rather than the
+        length sources start from (a context copy that keeps being accepted may grow past it)."""
+        return self.curve is not None
 
     def join(self, cap: int | None = None) -> None:
         """A row joins; its candidates are at most `cap` tokens (default: `length`)."""
@@ -141,8 +151,11 @@ class Budget:
 
     def cost(self, rows: int, length: int) -> float:
         """Expected seconds of a step of `rows` rows at a common candidate length."""
-        return self.curve.cost(rows, length) * self.overhead.get(length, self.overhead.get(2, 1.0)
-                                                                 if length > 1 else 1.0)
+        measured = [n for r, n in self.overhead if r == rows and (n > 1) == (length > 1)]
+        if not measured:
+            return self.curve.cost(rows, length)
+        nearest = min(measured, key=lambda n: (abs(n - length), n))
+        return self.curve.cost(rows, length) * self.overhead[rows, nearest]
 
     def lengths(self, drafts: list[bool], fixed: list[bool] | None = None) -> list[int]:
         """The candidate length of each row this step (1 for rows that do not draft). `fixed` rows always get
@@ -160,6 +173,8 @@ class Budget:
         if self.curve is None:
             return self.length
         rows = len(drafts)
+        if (rows, 1) not in self.overhead:
+            return 1  # the reference: plain steps at this batch size, measured first
 
         def rate(n: int) -> float:
             gain = sum(self.expected(a, min(n, c) if d else 1) for a, c, d in zip(self.alpha, self.caps, drafts))
@@ -167,11 +182,13 @@ class Budget:
 
         longest = max(c for c, d in zip(self.caps, drafts) if d)  # no row drafts more than its cap
         best = max(range(1, longest + 1), key=rate)
-        spec, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
-        if best > 1 and (plain is None or spec is not None and spec < plain):
-            best = 1  # measure plain steps at this batch size first; where speculation measured less, plain
-        if self.steps % self.probe == 0:  # try the other kind now and then, so the measurements stay current
-            return min(2, self.length) if best == 1 else 1
+        if (best > 1) != self.speculating:  # the choice changed: probe the other kind soon again
+            self.speculating, self.interval = best > 1, self.probe
+            self.next_probe = self.steps + self.probe
+        if self.steps >= self.next_probe:  # try the other kind now and then, so the measurements stay current
+            self.next_probe = self.steps + self.interval
+            self.interval = min(2 * self.interval, self.max_probe)
+            return min(2, longest) if best == 1 else 1
         return best
 
     def observe(self, lengths: list[int], accepted: list[int], seconds: float | None = None) -> None:
@@ -185,9 +202,8 @@ class Budget:
         rows, n = self.last
         if seconds is not None and self.curve is not None and rows and seconds > 0:
             ratio = seconds / self.curve.cost(rows, n)
-            self.overhead[n] = self.decay * self.overhead.get(n, ratio) + (1 - self.decay) * ratio
-            key, got = (rows, n > 1), (rows + sum(accepted)) / seconds
-            self.rate[key] = self.decay * self.rate.get(key, got) + (1 - self.decay) * got
+            key = (rows, n)
+            self.overhead[key] = self.decay * self.overhead.get(key, ratio) + (1 - self.decay) * ratio
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost

@@ -84,6 +84,7 @@ class Batch:
                    len(history) + len(prompt))
         tokens = seq.emit([first])
         self.cache.join(one)
+        mx.eval(*self.cache.state())  # the copy into the batch's cache is the join's cost, not the next step's
         self.budget.join(min(length or self.length, self.length))
         if allocator is not None:
             for src in allocator.sources:
@@ -123,8 +124,9 @@ class Batch:
         if max(lengths) <= 1:
             decided, results = self._plain(seqs), None
         else:
+            capped = self.budget.caps_candidates
             rows = [Row(s.state, s.allocator.plan() if s.allocator is not None and n > 1 else [], n, s.rng,
-                        s.sampling) for s, n in zip(seqs, lengths)]
+                        s.sampling, capped and s.sampling.greedy) for s, n in zip(seqs, lengths)]
             results = speculative_step(self.model, self.cache, rows)
             decided = [res.tokens for res in results]
             for s, res in zip(seqs, results):

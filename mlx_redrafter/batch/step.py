@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.batch.cache import RowsCache
-from mlx_redrafter.draft.base import DecodeState, Slot, propose_rows
+from mlx_redrafter.draft.base import DecodeState, Proposal, Slot, propose_rows
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
 from mlx_redrafter.step import StepResult
@@ -28,13 +28,15 @@ from mlx_redrafter.tree import pack
 @dataclass
 class Row:
     """What a row brings to a step: its decode state, its draft plan and candidate length, its random stream and
-    sampling settings."""
+    sampling settings. With `capped`, no candidate is longer than `length` (a context copy that keeps being
+    accepted may otherwise grow past it): the verify budget priced the step at that length."""
 
     state: DecodeState
     plan: list[Slot]
     length: int
     rng: Rng | None = None
     sampling: Sampling = GREEDY
+    capped: bool = False
 
 
 def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sampling],
@@ -56,6 +58,7 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row]) -> list[St
     """Every row drafts by its own plan; one target call verifies every row's tree; each row keeps its longest
     accepted run. Syncs once after drafting (tree sizes) and once at the end (the accepted tokens)."""
     proposals = propose_rows([r.plan for r in rows], [r.state for r in rows], [r.length for r in rows])  # draft
+    proposals = [Proposal(p.candidates[:, : r.length], p.rows) if r.capped else p for r, p in zip(rows, proposals)]
     mx.eval([p.candidates for p in proposals])
     trees = [pack(p.candidates) for p in proposals]  # pack
     P = max(t.size for t in trees)
