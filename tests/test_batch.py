@@ -232,3 +232,26 @@ def test_the_budget_measures_plain_steps_first_and_probes_less_often_while_one_k
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] == 32
     assert len(probes) <= 10
+
+
+@pytest.mark.parametrize("accepting", [False, True])
+def test_the_budget_prices_speculative_steps_by_what_they_cost_beside_plain_ones(accepting):
+    """No model needed. The curve says drafting is free; the steps really cost half a plain step more per extra
+    token, and every step costs more as the contexts grow (a cost measured long ago is stale). Rows whose drafts
+    are rejected end up on plain steps (but for rare probes); rows whose drafts are all accepted (n tokens for
+    1 + (n - 1) / 2 the cost) draft the full length."""
+    flat = CostCurve({b: [1.0 + 0.01 * p for p in range(8)] for b in (1, 2, 4, 8)})
+    budget = Budget(4, flat, probe=4, max_probe=32)
+    for _ in range(4):
+        budget.join()
+    chosen = []
+    for step in range(200):
+        lengths = budget.lengths([True] * 4)
+        n = max(lengths)
+        chosen.append(n)
+        budget.observe(lengths, [n - 1 if accepting else 0] * 4, seconds=(1.0 + 0.5 * (n - 1)) * (1 + step / 25))
+    late = chosen[50:]
+    if accepting:
+        assert sum(n == 4 for n in late) >= 0.9 * len(late)
+    else:
+        assert sum(n > 1 for n in late) <= 8

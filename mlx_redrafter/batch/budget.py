@@ -108,14 +108,16 @@ class Budget:
     Each row's drafts are modelled as accepted one after another with probability `alpha` (an exponential
     moving average of what its steps accepted), so a candidate of length l decides (1 - alpha**l) / (1 - alpha)
     tokens on average. Without a curve every drafting row gets the full `length`. With one, the length l in
-    1..length (1: a plain step) that maximises the batch's expected tokens per second. A step's cost is the
-    curve's, times what steps of that batch size and length really cost over the curve's figure in this run
-    (`overhead`: drafting, packing and acceptance are not in the curve, and they grow with the rows); a length
-    not measured yet at this batch size borrows the factor of the nearest measured one. The first step at a batch
-    size is plain (the reference the others are compared with). Now and then a step tries the other kind (2
-    drafted tokens while backed off, a plain step otherwise), so the acceptance and the costs stay current: after
-    `probe` steps, then twice as long after each probe that left the choice as it was (at most `max_probe`), so
-    a batch where one kind keeps winning spends little on the other.
+    1..length (1: a plain step) that maximises the batch's expected tokens per second. Costs are measured in this
+    run, relative to plain steps: `ratio[rows, l]` is what a step of length l cost over the plain step run right
+    before or after it (a moving average of such neighbours), and `plain[rows]` what a plain step costs now (every
+    step updates it: a step of length l through its ratio). Neighbouring steps see the same contexts, so a ratio
+    stays valid as the contexts grow, where an absolute time measured many steps ago would not; drafting, packing
+    and acceptance, which the curve does not hold, are in it. A length without a measured ratio takes the curve's
+    ratio to the nearest measured one. The first step at a batch size is plain (the reference). Now and
+    then a step tries the other kind (2 drafted tokens while backed off, a plain step otherwise), so the acceptance
+    and the costs stay current: after `probe` steps, then twice as long after each probe that left the choice as
+    it was (at most `max_probe`), so a batch where one kind keeps winning spends little on the other.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
@@ -124,7 +126,9 @@ class Budget:
         self.probe, self.max_probe = probe, max_probe
         self.alpha: list[float] = []
         self.caps: list[int] = []  # each row's longest candidate
-        self.overhead: dict[tuple[int, int], float] = {}  # (rows, common length) -> measured cost / the curve's
+        self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
+        self.ratio: dict[tuple[int, int], float] = {}  # (rows, length > 1) -> its cost / a neighbouring plain step's
+        self.previous: tuple[int, int, float] | None = None  # (rows, length, seconds) of the last observed step
         self.steps = 0
         self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
         self.speculating = False  # the kind the model chose at the last step
@@ -150,12 +154,16 @@ class Budget:
         return float(length) if alpha >= 1 else (1 - alpha**length) / (1 - alpha)
 
     def cost(self, rows: int, length: int) -> float:
-        """Expected seconds of a step of `rows` rows at a common candidate length."""
-        measured = [n for r, n in self.overhead if r == rows and (n > 1) == (length > 1)]
+        """Expected seconds of a step of `rows` rows at a common candidate length (plain steps of this many rows
+        must have been measured)."""
+        base = self.plain[rows]
+        if length == 1:
+            return base
+        measured = [n for r, n in self.ratio if r == rows]
         if not measured:
-            return self.curve.cost(rows, length)
+            return base * self.curve.cost(rows, length) / self.curve.cost(rows, 1)
         nearest = min(measured, key=lambda n: (abs(n - length), n))
-        return self.curve.cost(rows, length) * self.overhead[rows, nearest]
+        return base * self.ratio[rows, nearest] * self.curve.cost(rows, length) / self.curve.cost(rows, nearest)
 
     def lengths(self, drafts: list[bool], fixed: list[bool] | None = None) -> list[int]:
         """The candidate length of each row this step (1 for rows that do not draft). `fixed` rows always get
@@ -173,7 +181,7 @@ class Budget:
         if self.curve is None:
             return self.length
         rows = len(drafts)
-        if (rows, 1) not in self.overhead:
+        if rows not in self.plain:
             return 1  # the reference: plain steps at this batch size, measured first
 
         def rate(n: int) -> float:
@@ -200,10 +208,19 @@ class Budget:
             rate = a / trials if trials else self.alpha[r]
             self.alpha[r] = self.decay * self.alpha[r] + (1 - self.decay) * rate
         rows, n = self.last
-        if seconds is not None and self.curve is not None and rows and seconds > 0:
-            ratio = seconds / self.curve.cost(rows, n)
-            key = (rows, n)
-            self.overhead[key] = self.decay * self.overhead.get(key, ratio) + (1 - self.decay) * ratio
+        if seconds is None or self.curve is None or not rows or seconds <= 0:
+            return
+        before, self.previous = self.previous, (rows, n, seconds)
+        if before is not None and before[0] == rows and (before[1] == 1) != (n == 1):  # a plain / speculative pair
+            length, ratio = (n, seconds / before[2]) if n > 1 else (before[1], before[2] / seconds)
+            self.ratio[rows, length] = self._average(self.ratio.get((rows, length)), ratio)
+        if n == 1:
+            self.plain[rows] = self._average(self.plain.get(rows), seconds)
+        elif rows in self.plain:
+            self.plain[rows] = self._average(self.plain[rows], seconds * self.plain[rows] / self.cost(rows, n))
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
