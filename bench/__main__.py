@@ -410,7 +410,7 @@ def curve(
     """The cost of one batched target call per rows x tokens per row (what batched speculation spends)."""
     from mlx_redrafter.batch.budget import CostCurve, curve_file
     from mlx_redrafter.system.machine import fingerprint
-    from mlx_redrafter.system.machine_state import machine_now
+    from mlx_redrafter.system.machine_state import MachineWatch
 
     from .batch import curve_markdown
 
@@ -418,14 +418,16 @@ def curve(
     if min(bs) < 1 or max(bs) > 64 or not 1 <= max_tokens <= 64 or not 1 <= context <= 4096 or repeats < 1:
         raise UserError("--batches 1..64, --max-tokens 1..64, --context 1..4096, --repeats >= 1")
     lm = api_load()
-    before = machine_now()
+    watch = MachineWatch()  # waits for a load average left by finished work to decay; watches other processes
+    watch.start()
     cv = CostCurve.measure(lm.target.model, bs, max_tokens, context, repeats,
                            progress=lambda b, p: typer.echo(f"curve: B={b} P={p}", err=True))
-    cv.meta = {"model": lm.target.name, "machine": fingerprint(), "machine_state": before}
+    state = watch.stop()
+    cv.meta = {"model": lm.target.name, "machine": fingerprint(), "machine_state": state}
     out = Path(__file__).resolve().parent / "results" / device
     out.mkdir(parents=True, exist_ok=True)
     cv.save(out / "cost-curve.json")
-    quiet = "quiet machine" if before["quiet"] else "NOT a quiet machine"
+    quiet = "quiet machine" if state["quiet"] else "NOT a quiet machine"
     (out / "cost-curve.md").write_text(f"# Batched target call cost ({device}, {quiet})\n\n" + curve_markdown(cv))
     if keep:
         cv.save(curve_file(lm.target.name, fingerprint()))
@@ -448,7 +450,7 @@ def batch(
 
     from mlx_redrafter import api as _api
     from mlx_redrafter.prompts import first_turns
-    from mlx_redrafter.system.machine_state import machine_now
+    from mlx_redrafter.system.machine_state import MachineWatch
 
     from .batch import run, write
 
@@ -458,10 +460,11 @@ def batch(
     lm = api_load()
     prompts = [_api.encode_prompt(lm, r["prompt"]) for r in first_turns(None, num_prompts, spread=True)]
     curve = _api.cost_curve(lm, max(bs), _api.decode_options().shape.length)
-    before = machine_now()
+    watch = MachineWatch()  # waits for a load average left by finished work to decay; watches other processes
+    watch.start()
     res = run(lm, prompts, bs, max_tokens, repeats, mlx_lm, curve, draft, log=lambda m: typer.echo(m, err=True))
-    res["machine_state"] = {"before": before, "after": machine_now()}
-    quiet = "quiet machine" if before["quiet"] else "NOT a quiet machine"
+    res["machine_state"] = watch.stop()
+    quiet = "quiet machine" if res["machine_state"]["quiet"] else "NOT a quiet machine"
     out = Path(__file__).resolve().parent / "results" / device
     stem = "batch-" + _time.strftime("%Y%m%d-%H%M%S")
     write(res, out, stem, f"Batched decoding ({device}, {quiet})")
