@@ -52,7 +52,7 @@ def features(shard: Path, out: Path, sequences: int = typer.Option(256, help="Fi
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.train.batch import left_padded
     from mlx_redrafter.train.corpus import load_shard
-    from mlx_redrafter.train.features import CHUNK, top_labels
+    from mlx_redrafter.train.features import CHUNK, length_groups, top_labels
 
     _existing([str(shard)])
     target = load_target(None, "float32")
@@ -60,18 +60,13 @@ def features(shard: Path, out: Path, sequences: int = typer.Option(256, help="Fi
     sh = load_shard(shard, model.args.vocab_size)
     n_seq = min(sh.num_sequences, sequences)
     lens = sh.offsets[1:] - sh.offsets[:-1]
-    order = np.argsort(lens[:n_seq], kind="stable")
     per_seq: dict[int, dict] = {}
-    t0, done, i = time.time(), 0, 0
+    t0, done = time.time(), 0
 
     def rms(x):
         return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5)
 
-    while i < n_seq:
-        j = i + 1
-        while j < n_seq and (j - i + 1) * lens[order[j]] <= max_batch_tokens:
-            j += 1
-        idx = order[i:j]
+    for idx in length_groups(lens[:n_seq], max_batch_tokens):
         tok, pos, mask, padded = left_padded([sh.sequence(q).tolist() for q in idx], pad)
         cache = model.make_cache(tok.shape[1])
         taps: list[list] = [[] for _ in range(len(LAYERS) + 1)]
@@ -103,8 +98,7 @@ def features(shard: Path, out: Path, sequences: int = typer.Option(256, help="Fi
                     rec["ids"], rec["lp"] = ids[start : start + e - s], logp[start : start + e - s]
                 start += e - s
         done += int(lens[idx].sum())
-        typer.echo(f"{j}/{n_seq} sequences, {done / (time.time() - t0):.0f} tok/s", err=True)
-        i = j
+        typer.echo(f"{len(per_seq)}/{n_seq} sequences, {done / (time.time() - t0):.0f} tok/s", err=True)
     qs = sorted(per_seq)
     arrays = {f"h{k}": np.concatenate([per_seq[q][k] for q in qs]) for k in range(len(LAYERS) + 1)}
     arrays.update(ids=np.concatenate([per_seq[q]["ids"] for q in qs]),
@@ -160,10 +154,10 @@ def train(variant: str, files: str, heldout: Path = typer.Option(..., help="feat
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    from mlx_redrafter.draft.redrafter import Drafter, DrafterArgs
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.train.data import draft_vocabulary, make_batch
-    from mlx_redrafter.train.loss import hard_loss
+    from mlx_redrafter.train.loop import TrainConfig, new_drafter
+    from mlx_redrafter.train.loss import hard_loss, recurrent_states
 
     name, *mods = variant.split(":")
     if name not in PICK or any(not m.startswith(("reg", "noise", "frozen")) for m in mods):
@@ -173,28 +167,21 @@ def train(variant: str, files: str, heldout: Path = typer.Option(..., help="feat
     noise = next((float(m[5:]) for m in mods if m.startswith("noise")), 0.0)
     target = load_target(None, "float32")
     model, T = target.model, draft_len
-    H, V = model.args.hidden_size, model.args.vocab_size
+    H, V = model.args.hidden_size, model.args.vocab_size  # the shipped shape: exit_dim = H, 2 ResBlocks, RNN
     tr = _examples(files.split(","), PICK[name], V)
     ho = _examples([str(heldout)], PICK[name], V)
     head = draft_vocabulary(tr, vocab, V, list(target.tokenizer.eos_ids))
     lut = np.full(V, -1, np.int64)
     lut[head] = np.arange(len(head))
-    mx.random.seed(seed)
 
     class Conditioned(nn.Module):
-        """The shipped drafter, its context state first projected from the variant's features."""
+        """The trainer's fresh drafter (`new_drafter`), its context state first projected from the variant's
+        features (a projection that starts as the identity on the final state)."""
 
         def __init__(self, width: int):
             super().__init__()
-            d = Drafter(DrafterArgs(vocab_size=V, hidden_size=H, exit_dim=H, num_draft_layers=2, rnn=True,
-                                    draft_vocab_size=len(head)))
-            d.input_proj.weight = mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1)
-            d.input_proj.bias = mx.zeros((H,))
-            for blk in d.lm_head[:-1]:
-                blk.linear.weight = mx.zeros_like(blk.linear.weight)
-                blk.linear.bias = mx.zeros_like(blk.linear.bias)
-            d.lm_head[-1].weight = model.output_weight()[mx.array(head)].astype(mx.float32)
-            self.d = d
+            self.d = new_drafter(target, TrainConfig(draft_vocab_size=len(head), seed=seed), head)
+            self.d.freeze(keys=["draft_vocab"])  # token ids, not weights (as the trainer keeps them)
             if width != H:
                 self.fuse = nn.Linear(width, H)
                 self.fuse.weight = mx.concatenate([mx.eye(H), mx.zeros((H, width - H))], axis=1)
@@ -203,11 +190,7 @@ def train(variant: str, files: str, heldout: Path = typer.Option(..., help="feat
         def head_inputs(self, h, emb):
             if "fuse" in self:
                 h = self.fuse(h)
-            s, states = mx.zeros((h.shape[0], H)), []
-            for j in range(emb.shape[1]):
-                s = self.d.next_state(s, emb[:, j])
-                states.append(s)
-            S = mx.stack(states, axis=1)
+            S = recurrent_states(self.d, emb)
             return self.d.features(mx.broadcast_to(h[:, None, :], S.shape), S)
 
     net = Conditioned(tr.hidden[0].shape[1])

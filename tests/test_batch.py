@@ -214,18 +214,26 @@ def test_a_removed_row_takes_a_cache_that_continues_exactly(target, prompts):
     assert got == ar_tokens(model, held + [more[0]], 7, eos)
 
 
+def budget_choices(curve, accepted, seconds, rows=4, steps=200):
+    """The common length a budget (length 4, probes after 4 steps, at most 32 apart) picks at each of `steps`
+    steps of `rows` drafting rows, when each row accepts `accepted(n)` drafts at length n and the step takes
+    `seconds(n, step)`."""
+    budget = Budget(4, curve, probe=4, max_probe=32)
+    for _ in range(rows):
+        budget.join()
+    chosen = []
+    for step in range(steps):
+        lengths = budget.lengths([True] * rows)
+        n = max(lengths)
+        chosen.append(n)
+        budget.observe(lengths, [accepted(n)] * rows, seconds=seconds(n, step))
+    return chosen
+
 def test_the_budget_measures_plain_steps_first_and_probes_less_often_while_one_kind_keeps_winning():
     """No model needed: the budget's choices alone. The first step at a batch size is plain (the reference); while
     speculation keeps losing, the probes that try it come further and further apart (at most `max_probe`)."""
     steep = CostCurve({b: [float(p) for p in range(1, 9)] for b in (1, 2, 4, 8)})
-    budget = Budget(4, steep, probe=4, max_probe=32)
-    for _ in range(4):
-        budget.join()
-    chosen = []
-    for _ in range(200):
-        lengths = budget.lengths([True] * 4)
-        chosen.append(max(lengths))
-        budget.observe(lengths, [0] * 4, seconds=float(max(lengths)))
+    chosen = budget_choices(steep, accepted=lambda n: 0, seconds=lambda n, step: float(n))
     assert chosen[0] == 1
     probes = [i for i, n in enumerate(chosen) if n > 1]
     assert probes and all(chosen[i] == 2 for i in probes)
@@ -241,15 +249,8 @@ def test_the_budget_prices_speculative_steps_by_what_they_cost_beside_plain_ones
     are rejected end up on plain steps (but for rare probes); rows whose drafts are all accepted (n tokens for
     1 + (n - 1) / 2 the cost) draft the full length."""
     flat = CostCurve({b: [1.0 + 0.01 * p for p in range(8)] for b in (1, 2, 4, 8)})
-    budget = Budget(4, flat, probe=4, max_probe=32)
-    for _ in range(4):
-        budget.join()
-    chosen = []
-    for step in range(200):
-        lengths = budget.lengths([True] * 4)
-        n = max(lengths)
-        chosen.append(n)
-        budget.observe(lengths, [n - 1 if accepting else 0] * 4, seconds=(1.0 + 0.5 * (n - 1)) * (1 + step / 25))
+    chosen = budget_choices(flat, accepted=lambda n: n - 1 if accepting else 0,
+                            seconds=lambda n, step: (1.0 + 0.5 * (n - 1)) * (1 + step / 25))
     late = chosen[50:]
     if accepting:
         assert sum(n == 4 for n in late) >= 0.9 * len(late)

@@ -110,6 +110,20 @@ def forward_chunked(model: Model, tok: np.ndarray, pos: np.ndarray, mask: np.nda
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
+def length_groups(lens: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
+    """Sequence indices in batches of similar lengths, shortest first: each batch padded to its longest holds at
+    most `max_batch_tokens` tokens (a sequence longer than that is a batch of its own)."""
+    order = np.argsort(lens, kind="stable")
+    groups, i = [], 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j - i + 1) * lens[order[j]] <= max_batch_tokens:
+            j += 1
+        groups.append(order[i:j])
+        i = j
+    return groups
+
+
 def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_batch_tokens: int = 4096,
                    progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(hidden float16 (C, H), top_ids (C, k), top_logp (C, k)) at every context position of the shard, in
@@ -119,13 +133,7 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
     hid: list[np.ndarray | None] = [None] * n_seq
     ids: list[np.ndarray | None] = [None] * n_seq
     logp: list[np.ndarray | None] = [None] * n_seq
-    order = np.argsort(lens, kind="stable")
-    i = 0
-    while i < n_seq:
-        j = i + 1
-        while j < n_seq and (j - i + 1) * lens[order[j]] <= max_batch_tokens:
-            j += 1
-        idx = order[i:j]
+    for idx in length_groups(lens, max_batch_tokens):
         seqs = [shard.sequence(q).tolist() for q in idx]
         tok, pos, mask, pad = left_padded(seqs, pad_id)
         hidden = forward_chunked(model, tok, pos, mask)
@@ -141,7 +149,6 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
             start += e - s
         if progress is not None:
             progress(int(lens[idx].sum()))
-        i = j
     H = model.args.hidden_size
     cat = lambda parts, shape, dt: np.concatenate([np.zeros(shape, dt)] + parts)  # noqa: E731
     return cat(hid, (0, H), np.float16), cat(ids, (0, k), np.int32), cat(logp, (0, k), np.float32)

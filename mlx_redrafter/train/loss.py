@@ -17,14 +17,20 @@ def teacher_forced_logits(drafter, h: mx.array, emb_in: mx.array) -> mx.array:
     own = getattr(drafter, "teacher_forced_logits", None)
     if own is not None:
         return own(h, emb_in)
+    S = recurrent_states(drafter, emb_in, h.dtype)
+    return drafter.logits(mx.broadcast_to(h[:, None, :], S.shape), S)
+
+
+def recurrent_states(drafter, emb_in: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """The recurrent drafter's states (B, T, H) after consuming each of the input embeddings (B, T, H), from state
+    0, as beam search updates them at inference."""
     B, T, H = emb_in.shape
-    s = mx.zeros((B, H), dtype=h.dtype)
+    s = mx.zeros((B, H), dtype=dtype)
     states = []
     for j in range(T):
         s = drafter.next_state(s, emb_in[:, j])
         states.append(s)
-    S = mx.stack(states, axis=1)
-    return drafter.logits(mx.broadcast_to(h[:, None, :], S.shape), S)
+    return mx.stack(states, axis=1)
 
 
 def hard_loss(logits: mx.array, b: Batch) -> mx.array:
