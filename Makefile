@@ -76,14 +76,14 @@ distill: $(STAMP)  ## grow a corpus (data/corpus/; SOURCE=greedy|text|endpoint, 
 	    $(DISTILL_ARGS) & \
 	done; wait
 
-features: $(STAMP)  ## teacher-forced features (hidden states + top-k labels) of every corpus, in .cache/features
+features: $(STAMP)  ## teacher-forced features (hidden states + top-k labels) of every corpus, in .cache/features (FEATURES_ARGS=--shards 0,10-16)
 	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \
-	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) & \
+	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) $(FEATURES_ARGS) & \
 	done; wait
 
 data: $(STAMP)  ## the background data job: features, then the target's own answers (WORKERS=2 on 2 cores)
 	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \
-	  ( MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) && \
+	  ( MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) $(FEATURES_ARGS) && \
 	    MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(WORKERS) $(DISTILL_ARGS) ) & \
 	done; wait
 

@@ -157,6 +157,19 @@ def test_checkpoint_for_another_model_is_a_one_line_error(target, corpus_dirs, t
     assert "hidden_size" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_shards_option_picks_shards_by_plan_index(target, corpus_dirs, tmp_path):
+    root, feats = corpus_dirs
+    train_names = [p.name for p in Corpus(root).shards("train")]
+    _, _, used = prepare(target, [root], feats, log=lambda m: None, shards=[2])
+    assert used["corpora"][root.name]["train_shards"] == 1 and "shard-00002.npz" in train_names
+    with pytest.raises(UserError) as e:
+        prepare(target, [root], feats, log=lambda m: None, shards=[0])  # the held-out shard never trains
+    assert "--shards" in str(e.value)
+    res = CliRunner().invoke(app, ["features", "--corpus", str(root), "--features", str(tmp_path / "f"),
+                                   "--shards", "3-1", "--nice", "0"])
+    assert res.exit_code == 2 and "error: --shards takes" in res.output
+
+
 def test_cli_errors(tmp_path):
     lm = CliRunner()
     res = lm.invoke(app, ["train", "--corpus", str(tmp_path / "none")])

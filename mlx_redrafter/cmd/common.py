@@ -73,14 +73,20 @@ def run_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
 
 
 def int_list(text: str, flag: str) -> list[int]:
-    """Comma-separated integers, e.g. "1,2,4"; a one-line UserError otherwise."""
+    """Comma-separated integers or inclusive ranges, e.g. "1,2,4" or "0,10-16"; a one-line UserError otherwise."""
+    vals: set[int] = set()
     try:
-        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+        for part in (x.strip() for x in text.split(",")):
+            lo, sep, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
+            if sep and int(hi) < int(lo):
+                raise ValueError(part)
+            vals.update(range(int(lo), int(hi) + 1) if sep else [int(part)] if part else [])
     except ValueError:
-        raise UserError(f"{flag} takes comma-separated integers, e.g. 1,2,4 (got {text!r})") from None
+        raise UserError(f"{flag} takes comma-separated integers or ranges, e.g. 1,2,4 or 0,10-16 (got {text!r})"
+                        ) from None
     if not vals:
         raise UserError(f"{flag} is empty")
-    return vals
+    return sorted(vals)
 
 
 # Decoding flags shared by generate, chat and serve: name -> (type, option). None = not given: the tuned entry or

@@ -104,6 +104,8 @@ def features(
     threads: int = typer.Option(1, help="BLAS threads (1 is right when other work shares the cores)."),
     nice: int = typer.Option(19, help="Scheduling niceness added to this process and its session group (0 = none)."),
     worker: str = typer.Option("0/1", help="I/N: build only every N-th missing shard, starting at I."),
+    shards: str | None = typer.Option(None, help="Only the shards with these plan indices, e.g. 0,10-16 "
+                                      "(shard-NNNNN.npz) [all]."),
 ) -> None:
     """Build the teacher-forced features of corpora: the target's hidden states and top-k labels at every
     position (float32 forward of the runtime's own model). Resumable; `train` builds what is missing anyway."""
@@ -111,11 +113,13 @@ def features(
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.system.blas import set_threads
     from mlx_redrafter.system.priority import lower_priority
+    from mlx_redrafter.train.corpus import shard_index
     from mlx_redrafter.train.distill import check_worker
     from mlx_redrafter.train.features import ensure
     from mlx_redrafter.train.pipeline import open_corpus
 
     i, n = check_worker(worker)
+    only = c.int_list(shards, "--shards") if shards is not None else None
     check_option("--threads", threads, THREADS)
     check_writable_dir(cache, "--features")
     lower_priority(nice)
@@ -126,7 +130,8 @@ def features(
         raise UserError(f"no corpus of {target.name} under {DEFAULT_CORPUS}: run `make distill` first")
     for root in roots:
         c_ = open_corpus(root, target.model.args.vocab_size)
-        ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, worker=(i, n),
+        names = sorted(x for x in c_.entries if only is None or shard_index(x) in only)
+        ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, names, worker=(i, n),
                log=lambda m: typer.echo(m, err=True))
 
 
@@ -172,6 +177,8 @@ def train(
     kind: str = typer.Option(TrainConfig.kind, "--kind", help="Drafter kind: redrafter, medusa, semi_ar_transformer "
                              "or semi_ar_lstm (same data, loss and budget)."),
     corpus_tokens: int | None = typer.Option(None, help="Train on each corpus' first N response tokens only."),
+    shards: str | None = typer.Option(None, help="Train only on the shards with these plan indices, e.g. 10-32 "
+                                      "(shard-NNNNN.npz; the held-out shard measures the run either way) [all]."),
     steps: int = typer.Option(TrainConfig.steps, help="Optimizer steps."),
     batch: int = typer.Option(TrainConfig.batch_size, help="Context positions per step."),
     lr: float = typer.Option(TrainConfig.lr, help="Peak learning rate (warmup + cosine)."),
@@ -225,6 +232,7 @@ def train(
             raise UserError(f"--init-from {init_from} is not a drafter folder ({e}): give the folder of a drafter, "
                             f"e.g. mlx_redrafter/drafters/<model>") from None
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
+    only = c.int_list(shards, "--shards") if shards is not None else None
     check_option("--eval-prompts", eval_prompts, Field("", int, 0, 100_000))
     run_dir = run_dir or Path("runs/drafter" if kind == "redrafter" else f"runs/drafter-{kind}")
     check_writable_dir(run_dir, "--run-dir")
@@ -237,7 +245,7 @@ def train(
     typer.echo("step 1/3: features", err=True)
     tr, ho, used = prepare(target, corpora, features, corpus_tokens,
                            heldout=heldout or corpora[0],
-                           log=lambda m: typer.echo(m, err=True))
+                           log=lambda m: typer.echo(m, err=True), shards=only)
     t1 = time.perf_counter()
     typer.echo(f"step 2/3: training ({steps} steps) -> {run_dir}", err=True)
     drafter, summary = train_drafter(target, tr, ho, run_dir, cfg, resume=resume, log=lambda m: typer.echo(m, err=True))

@@ -124,6 +124,12 @@ SHARD_FIELDS = (
 SHARD_NAME = re.compile(r"\w[\w.-]*\.npz")  # a file in the corpus folder, never a path out of it
 
 
+def shard_index(name: str) -> int | None:
+    """The plan index in a shard's file name (shard-00012.npz -> 12); None for a name without one."""
+    m = re.search(r"(\d+)\.npz$", name)
+    return int(m.group(1)) if m else None
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     """A corpus manifest, its layout and every shard entry checked (`SHARD_FIELDS`); one-line errors that say to
     restore it."""

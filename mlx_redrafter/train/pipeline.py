@@ -11,18 +11,20 @@ import mlx.core as mx
 from mlx_redrafter.draft.redrafter import Drafter, save_drafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.models.loader import Target
-from mlx_redrafter.train.corpus import Corpus
+from mlx_redrafter.train.corpus import Corpus, shard_index
 from mlx_redrafter.train.data import Examples, load_examples
 from mlx_redrafter.train.features import ensure
 from mlx_redrafter.train.kinds import KIND_TITLES
 from mlx_redrafter.train.loop import TrainConfig
 
 
-def pick_shards(corpus: Corpus, max_tokens: int | None = None) -> list[str]:
-    """The corpus' train shards in plan order; with max_tokens, until that many response tokens (learning curves
-    use the corpus as it grew)."""
+def pick_shards(corpus: Corpus, max_tokens: int | None = None, only: list[int] | None = None) -> list[str]:
+    """The corpus' train shards in plan order (with `only`, those with these plan indices); with max_tokens, until
+    that many response tokens (learning curves use the corpus as it grew)."""
     train, total = [], 0
     for p in corpus.shards("train"):
+        if only is not None and shard_index(p.name) not in only:
+            continue
         if max_tokens is not None and total >= max_tokens:
             break
         train.append(p.name)
@@ -41,19 +43,23 @@ def open_corpus(root: str | Path, vocab_size: int | None = None) -> Corpus:
 
 
 def prepare(target: Target, corpora: list[str | Path], features_root: str | Path, max_tokens: int | None = None,
-            heldout: str | Path | None = None, log: Callable[[str], None] = print) -> tuple[Examples, Examples, dict]:
-    """Training examples from the train shards of `corpora` (at most `max_tokens` response tokens of each) and
-    held-out examples from the held-out shard of `heldout` (default: the first corpus); features are built on
-    demand. Returns both and what was used."""
+            heldout: str | Path | None = None, log: Callable[[str], None] = print, shards: list[int] | None = None,
+            ) -> tuple[Examples, Examples, dict]:
+    """Training examples from the train shards of `corpora` (only the plan indices `shards` when given; at most
+    `max_tokens` response tokens of each) and held-out examples from the held-out shard of `heldout` (default: the
+    first corpus); features are built on demand. Returns both and what was used."""
     features_root = Path(features_root)
     parts, used_shards = [], {}
     for root in corpora:
         corpus = open_corpus(root, target.model.args.vocab_size)
-        names = pick_shards(corpus, max_tokens)
+        names = pick_shards(corpus, max_tokens, shards)
         paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], features_root / corpus.name, names, log=log)
         parts.append((corpus, paths, names))
         used_shards[corpus.name] = len(names)
     if not any(names for _, _, names in parts):
+        if shards is not None:
+            raise UserError(f"{', '.join(map(str, corpora))}: no training shard has a plan index in --shards: "
+                            f"list the shard numbers of data/corpus/<model>/shard-NNNNN.npz (e.g. --shards 1-9)")
         raise UserError(f"{', '.join(map(str, corpora))}: no training shards: run `make distill` first")
     ho, ho_what = heldout_examples(target, heldout if heldout is not None else corpora[0], features_root, log)
     tr = load_examples(parts)
