@@ -459,7 +459,7 @@ def batch(
         raise UserError("--batches 1..64; --num-prompts, --max-tokens, --repeats >= 1")
     lm = api_load()
     prompts = [_api.encode_prompt(lm, r["prompt"]) for r in first_turns(None, num_prompts, spread=True)]
-    curve = _api.cost_curve(lm, max(bs), _api.decode_options().shape.length)
+    curve = _api.cost_curve(lm, max(bs), _api.decode_options().copy_length)
     watch = MachineWatch()  # waits for a load average left by finished work to decay; watches other processes
     watch.start()
     res = run(lm, prompts, bs, max_tokens, repeats, mlx_lm, curve, draft, log=lambda m: typer.echo(m, err=True))

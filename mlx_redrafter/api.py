@@ -214,7 +214,8 @@ def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: Decod
     """Decode many prompts, `batch_size` rows sharing each target call (continuous batching, batch/loop.py):
     yields `(index, Response)` per row and call, `index` being the prompt's place in `prompts`. Each row's text
     is what `stream_generate` gives for that prompt alone. `curve` (a measured `batch.budget.CostCurve`) lets
-    each step choose how many tokens the rows verify; without it every drafting row drafts the full length."""
+    each step choose how many tokens the rows verify (measure it up to `options.copy_length` tokens per row: a
+    context copy may grow that long); without it every drafting row drafts the full length."""
     from mlx_redrafter.batch.budget import Budget
     from mlx_redrafter.batch.loop import generate_batch as batch_loop
 
@@ -228,7 +229,7 @@ def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: Decod
     records = batch_loop(model, ids, batch_size=batch_size, max_tokens=min(options.max_tokens, room),
                          eos_ids=lm.tokenizer.eos_ids, sampling=options.sampling,
                          allocator=lambda: make_allocator(lm, options), length=options.shape.length,
-                         budget=Budget(options.shape.length, curve))
+                         budget=Budget(options.shape.length, curve, copy_length=options.copy_length))
     for index, r in records:
         yield index, Response(detoks[index].add(r.tokens), r.tokens, r)
         if r.stop:

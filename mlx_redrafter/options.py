@@ -96,6 +96,11 @@ class DecodeOptions:
     max_tokens: int = 256
     adaptive: bool = True
 
+    @property
+    def copy_length(self) -> int:
+        """The longest a context copy may grow (tokens with g0): at least the candidate length."""
+        return max(self.lookup.max_length, self.shape.length)
+
     def check(self) -> None:
         """A one-line UserError naming the first bad option."""
         check_mode(self.draft)

@@ -76,7 +76,7 @@ SOURCE_KINDS: dict[str, SourceKind] = {k.name: k for k in (
     SourceKind("medusa", _medusa, lambda t, d, o: {"medusa_tree": o.drafter.medusa_tree}),
     SourceKind("lookup", _lookup, lambda t, d, o: {
         "lookup_width": o.lookup.width, "lookup": o.lookup.index,
-        "lookup_max_length": max(o.lookup.max_length, o.shape.length)}),
+        "lookup_max_length": o.copy_length}),
     SourceKind("answers", _answers, lambda t, d, o: {
         "answers_width": o.lookup.answers_width if answer_table(t) is not None else 0}),
 )}

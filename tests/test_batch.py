@@ -214,20 +214,23 @@ def test_a_removed_row_takes_a_cache_that_continues_exactly(target, prompts):
     assert got == ar_tokens(model, held + [more[0]], 7, eos)
 
 
-def budget_choices(curve, accepted, seconds, rows=4, steps=200):
+def budget_choices(curve, accepted, seconds, rows=4, steps=200, kind=lambda step: "rnn"):
     """The common length a budget (length 4, probes after 4 steps, at most 32 apart) picks at each of `steps`
-    steps of `rows` drafting rows, when each row accepts `accepted(n)` drafts at length n and the step takes
-    `seconds(n, step)`."""
+    steps of `rows` drafting rows, when every row drafts from `kind(step)`, accepts `accepted(n)` (or
+    `accepted(n, kind)`) drafts at length n and the step takes `seconds(n, step)`."""
     budget = Budget(4, curve, probe=4, max_probe=32)
     for _ in range(rows):
         budget.join()
     chosen = []
     for step in range(steps):
-        lengths = budget.lengths([True] * rows)
+        k = kind(step)
+        lengths = budget.lengths([k] * rows)
         n = max(lengths)
         chosen.append(n)
-        budget.observe(lengths, [accepted(n)] * rows, seconds=seconds(n, step))
+        a = accepted(n, k) if accepted.__code__.co_argcount == 2 else accepted(n)
+        budget.observe(lengths, [a] * rows, seconds=seconds(n, step))
     return chosen
+
 
 def test_the_budget_measures_plain_steps_first_and_probes_less_often_while_one_kind_keeps_winning():
     """No model needed: the budget's choices alone. The first step at a batch size is plain (the reference); while
@@ -256,3 +259,18 @@ def test_the_budget_prices_speculative_steps_by_what_they_cost_beside_plain_ones
         assert sum(n == 4 for n in late) >= 0.9 * len(late)
     else:
         assert sum(n > 1 for n in late) <= 8
+
+
+def test_the_budget_prices_each_step_by_what_the_rows_draft_from():
+    """No model needed. Rows alternate between stretches where they copy from their context (every draft
+    accepted) and stretches where only the drafter drafts (every draft rejected); a drafted token costs a fifth of
+    a plain step. One acceptance per row would average the two and pick the same length for both; kept per kind of
+    draft, copies get the full length and the drafter's steps back off to plain ones."""
+    curve = CostCurve({b: [1.0 + 0.2 * p for p in range(8)] for b in (1, 2, 4, 8)})
+    kind = lambda step: "lookup" if (step // 10) % 2 else "rnn"  # noqa: E731
+    chosen = budget_choices(curve, accepted=lambda n, k: n - 1 if k == "lookup" else 0,
+                            seconds=lambda n, step: 1.0 + 0.2 * (n - 1), kind=kind)
+    copies = [n for i, n in enumerate(chosen) if i >= 40 and kind(i) == "lookup"]
+    drafts = [n for i, n in enumerate(chosen) if i >= 40 and kind(i) == "rnn"]
+    assert sum(n == 4 for n in copies) >= 0.9 * len(copies)
+    assert sum(n == 1 for n in drafts) >= 0.9 * len(drafts)

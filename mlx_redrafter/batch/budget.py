@@ -6,8 +6,9 @@ until B x P reaches the point where the products stop being bound by reading the
 with every token. Speculation spends that flat part: a row whose drafts are often accepted gains from a longer
 candidate, a batch of rows whose drafts are rejected loses. `CostCurve` is that cost, measured on this machine for
 this model (`stored_curve` / `measured_curve`: measured once, at the first batched run, and kept beside the tuned
-settings; `python -m bench curve` measures and plots it); `Budget` reads it with each row's recent acceptance and
-picks, every step, one candidate length for the drafting rows (1 = a plain batched step: speculation backs off).
+settings; `python -m bench curve` measures and plots it); `Budget` reads it with each row's recent acceptance of
+the kind of draft it has this step (a context copy or the drafter's) and picks, every step, one candidate length
+for the drafting rows (1 = a plain batched step: speculation backs off).
 """
 
 from __future__ import annotations
@@ -105,34 +106,44 @@ class CostCurve:
 class Budget:
     """Per step, the candidate length of each row (see the module docstring).
 
-    Each row's drafts are modelled as accepted one after another with probability `alpha` (an exponential
-    moving average of what its steps accepted), so a candidate of length l decides (1 - alpha**l) / (1 - alpha)
-    tokens on average. Without a curve every drafting row gets the full `length`. With one, the length l in
+    A row's drafts are modelled as accepted one after another with probability alpha, so a candidate of length l
+    decides (1 - alpha**l) / (1 - alpha) tokens on average. Alpha is kept per row and per kind of draft (an
+    exponential moving average of what the row's steps of that kind accepted): the kind is what the row drafts
+    from this step (`draft.base.drafting_source`: a copy from its context, which the target often accepts for
+    many tokens, or the drafter, which it accepts far less), known before the step is priced because copies are
+    looked up first. Without a curve every drafting row gets the full `length`. With one, the length l in
     1..length (1: a plain step) that maximises the batch's expected tokens per second. Costs are measured in this
     run, relative to plain steps: `ratio[rows, l]` is what a step of length l cost over the plain step run right
     before or after it (a moving average of such neighbours), and `plain[rows]` what a plain step costs now (every
     step updates it: a step of length l through its ratio). Neighbouring steps see the same contexts, so a ratio
     stays valid as the contexts grow, where an absolute time measured many steps ago would not; drafting, packing
     and acceptance, which the curve does not hold, are in it. A length without a measured ratio takes the curve's
-    ratio to the nearest measured one. The first step at a batch size is plain (the reference). Now and
-    then a step tries the other kind (2 drafted tokens while backed off, a plain step otherwise), so the acceptance
-    and the costs stay current: after `probe` steps, then twice as long after each probe that left the choice as
-    it was (at most `max_probe`), so a batch where one kind keeps winning spends little on the other.
+    ratio to the nearest measured one. The first step at a batch size is plain (the reference). A step tries the
+    other kind of step (2 drafted tokens while backed off, a plain step otherwise) when there has been none for a
+    while, so the acceptance and the costs stay current: `probe` steps at first, twice as long after each probe
+    (at most `max_probe`), back to `probe` when the choice changes while the rows draft from the same kinds (a
+    change of mind, not of situation). A batch where one kind of step keeps winning spends little on the other; one
+    that alternates with what its rows copy needs no probes.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
-                 probe: int = 12, max_probe: int = 96):
+                 probe: int = 12, max_probe: int = 96, copy_length: int | None = None):
         self.length, self.curve, self.decay, self.prior = length, curve, decay, prior
+        self.copy_length = max(copy_length or length, length)
         self.probe, self.max_probe = probe, max_probe
-        self.alpha: list[float] = []
+        self.alpha: list[dict[str, float]] = []  # per row: kind of draft -> acceptance
         self.caps: list[int] = []  # each row's longest candidate
+        self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
         self.ratio: dict[tuple[int, int], float] = {}  # (rows, length > 1) -> its cost / a neighbouring plain step's
         self.previous: tuple[int, int, float] | None = None  # (rows, length, seconds) of the last observed step
         self.steps = 0
         self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
-        self.speculating = False  # the kind the model chose at the last step
-        self.next_probe, self.interval = probe, probe
+        self.kinds: list[str | None] = []  # each row's kind of draft at the last step
+        self.speculating = False  # whether the model chose to draft at the last step
+        self.situation: list[str | None] = []  # the kinds of draft it chose for
+        self.last_plain = self.last_speculative = 0  # the last step of each kind
+        self.interval = probe
 
     @property
     def caps_candidates(self) -> bool:
@@ -142,12 +153,16 @@ class Budget:
 
     def join(self, cap: int | None = None) -> None:
         """A row joins; its candidates are at most `cap` tokens (default: `length`)."""
-        self.alpha.append(self.prior)
+        self.alpha.append({})
         self.caps.append(min(cap or self.length, self.length))
 
     def select(self, keep: list[int]) -> None:
         self.alpha = [self.alpha[i] for i in keep]
         self.caps = [self.caps[i] for i in keep]
+
+    def acceptance(self, row: int, kind: str) -> float:
+        """The row's alpha for this kind of draft (the prior until it has drafted so)."""
+        return self.alpha[row].get(kind, self.prior)
 
     def expected(self, alpha: float, length: int) -> float:
         """Tokens a candidate of `length` decides on average (the target's own token included)."""
@@ -165,36 +180,51 @@ class Budget:
         nearest = min(measured, key=lambda n: (abs(n - length), n))
         return base * self.ratio[rows, nearest] * self.curve.cost(rows, length) / self.curve.cost(rows, nearest)
 
-    def lengths(self, drafts: list[bool], fixed: list[bool] | None = None) -> list[int]:
-        """The candidate length of each row this step (1 for rows that do not draft). `fixed` rows always get
-        their cap: a sampling row whose drafts must not depend on the other rows (its seeded output depends on
-        what it drafts, not only on the target), while greedy rows' output never does."""
-        best = self._common(drafts)
-        self.last = (len(drafts), best)
-        fixed = fixed or [False] * len(drafts)
-        return [(c if f else min(best, c)) if d else 1 for c, d, f in zip(self.caps, drafts, fixed)]
+    def lengths(self, kinds: list[str | None], fixed: list[bool] | None = None,
+                offered: list[int | None] | None = None) -> list[int]:
+        """The candidate length of each row this step, given what each drafts from (None: nothing; it gets 1) and,
+        for a row whose only candidates are copies, the longest one (`offered`, tokens with g0; None otherwise): a
+        row at the full length may take a copy of up to `copy_length` (a copy that keeps being accepted grows), a
+        shorter copy prices the row by its own length. `fixed` rows always get their
+        cap: a sampling row whose drafts must not depend on the other rows (its seeded output depends on what it
+        drafts, not only on the target), while greedy rows' output never does."""
+        offered = offered or [None] * len(kinds)
+        self.step_caps = [c if o is None else min(o, c if c < self.length else self.copy_length)
+                          for c, o in zip(self.caps, offered)]
+        self.kinds = list(kinds)
+        best = self._common(kinds)
+        self.last = (len(kinds), best)
+        if best > 1:
+            self.last_speculative = self.steps
+        else:
+            self.last_plain = self.steps
+        fixed = fixed or [False] * len(kinds)
+        return [(c if f else min(best, s)) if k is not None else 1
+                for c, s, k, f in zip(self.caps, self.step_caps, kinds, fixed)]
 
-    def _common(self, drafts: list[bool]) -> int:
+    def _common(self, kinds: list[str | None]) -> int:
         self.steps += 1
-        if not any(drafts):
+        drafting = [(r, k) for r, k in enumerate(kinds) if k is not None]
+        if not drafting:
             return 1
         if self.curve is None:
             return self.length
-        rows = len(drafts)
+        rows = len(kinds)
         if rows not in self.plain:
             return 1  # the reference: plain steps at this batch size, measured first
+        alphas = [(self.acceptance(r, k), self.step_caps[r]) for r, k in drafting]
 
         def rate(n: int) -> float:
-            gain = sum(self.expected(a, min(n, c) if d else 1) for a, c, d in zip(self.alpha, self.caps, drafts))
+            gain = rows - len(alphas) + sum(self.expected(a, min(n, c)) for a, c in alphas)
             return gain / self.cost(rows, n)
 
-        longest = max(c for c, d in zip(self.caps, drafts) if d)  # no row drafts more than its cap
+        longest = max(c for _, c in alphas)  # no row drafts more than its cap
         best = max(range(1, longest + 1), key=rate)
-        if (best > 1) != self.speculating:  # the choice changed: probe the other kind soon again
-            self.speculating, self.interval = best > 1, self.probe
-            self.next_probe = self.steps + self.probe
-        if self.steps >= self.next_probe:  # try the other kind now and then, so the measurements stay current
-            self.next_probe = self.steps + self.interval
+        if (best > 1) != self.speculating and kinds == self.situation:  # a change of mind: probe soon again
+            self.interval = self.probe
+        self.speculating, self.situation = best > 1, list(kinds)
+        since = self.steps - (self.last_plain if best > 1 else self.last_speculative)
+        if since >= self.interval:  # try the other kind now and then, so the measurements stay current
             self.interval = min(2 * self.interval, self.max_probe)
             return min(2, longest) if best == 1 else 1
         return best
@@ -202,11 +232,14 @@ class Budget:
     def observe(self, lengths: list[int], accepted: list[int], seconds: float | None = None) -> None:
         """What the step's rows accepted (drafts) with the lengths they were given, and what the step cost."""
         for r, (n, a) in enumerate(zip(lengths, accepted)):
-            if n <= 1:
+            kind = self.kinds[r] if r < len(self.kinds) else None
+            if n <= 1 or kind is None:
                 continue
+            n = min(n, self.step_caps[r]) if r < len(self.step_caps) else n  # a shorter copy had no more drafts
             trials = a + (a < n - 1)  # accepted drafts, then the rejected one (if the run ended early)
-            rate = a / trials if trials else self.alpha[r]
-            self.alpha[r] = self.decay * self.alpha[r] + (1 - self.decay) * rate
+            old = self.acceptance(r, kind)
+            rate = a / trials if trials else old
+            self.alpha[r][kind] = self.decay * old + (1 - self.decay) * rate
         rows, n = self.last
         if seconds is None or self.curve is None or not rows or seconds <= 0:
             return

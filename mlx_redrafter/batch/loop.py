@@ -27,7 +27,7 @@ from mlx_redrafter.batch.budget import Budget
 from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.batch.step import Row, ar_step, speculative_step
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.draft.base import Allocator, DecodeState
+from mlx_redrafter.draft.base import Allocator, DecodeState, drafting_source, host_only, host_proposals
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Emitter, Record
 from mlx_redrafter.model import Model
@@ -120,14 +120,20 @@ class Batch:
             raise RuntimeError(f"internal error: finished rows {self.done()} are still in the batch")
         t = time.perf_counter()
         seqs = self.seqs
-        lengths = self.budget.lengths([s.allocator is not None for s in seqs], [not s.sampling.greedy for s in seqs])
+        plans = [s.allocator.plan() if s.allocator is not None else [] for s in seqs]
+        host = host_proposals(plans, [s.state for s in seqs], self.budget.caps)  # copies first: they price the step
+        lengths = self.budget.lengths([drafting_source(p, h) for p, h in zip(plans, host)],
+                                      [not s.sampling.greedy for s in seqs],
+                                      [max(c.shape[1] for c in h.values()) if host_only(p, h) else None
+                                       for p, h in zip(plans, host)])
         if max(lengths) <= 1:
             decided, results = self._plain(seqs), None
         else:
             capped = self.budget.caps_candidates
-            rows = [Row(s.state, s.allocator.plan() if s.allocator is not None and n > 1 else [], n, s.rng,
-                        s.sampling, capped and s.sampling.greedy) for s, n in zip(seqs, lengths)]
-            results = speculative_step(self.model, self.cache, rows)
+            rows = [Row(s.state, plan if n > 1 else [], n, s.rng, s.sampling, capped and s.sampling.greedy)
+                    for s, plan, n in zip(seqs, plans, lengths)]
+            results = speculative_step(self.model, self.cache, rows,
+                                       [h if n > 1 else {} for h, n in zip(host, lengths)])
             decided = [res.tokens for res in results]
             for s, res in zip(seqs, results):
                 s.state.g0, s.state.h = res.g0, res.h

@@ -54,10 +54,12 @@ def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sa
                            for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1]
 
 
-def speculative_step(model: Model, cache: RowsCache, rows: list[Row]) -> list[StepResult]:
-    """Every row drafts by its own plan; one target call verifies every row's tree; each row keeps its longest
-    accepted run. Syncs once after drafting (tree sizes) and once at the end (the accepted tokens)."""
-    proposals = propose_rows([r.plan for r in rows], [r.state for r in rows], [r.length for r in rows])  # draft
+def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
+                     host: list[dict[int, mx.array]] | None = None) -> list[StepResult]:
+    """Every row drafts by its own plan (`host`: what its host sources already proposed, `host_proposals`); one
+    target call verifies every row's tree; each row keeps its longest accepted run. Syncs once after drafting
+    (tree sizes) and once at the end (the accepted tokens)."""
+    proposals = propose_rows([r.plan for r in rows], [r.state for r in rows], [r.length for r in rows], host)  # draft
     proposals = [Proposal(p.candidates[:, : r.length], p.rows) if r.capped else p for r, p in zip(rows, proposals)]
     mx.eval([p.candidates for p in proposals])
     trees = [pack(p.candidates) for p in proposals]  # pack

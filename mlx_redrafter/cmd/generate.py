@@ -73,7 +73,7 @@ def _generate_batch(lm, prompts: list[str], res, s: dict, batch_size: int, chat:
         raise UserError(f"--batch-size must be an integer from 1 to 256 (got {batch_size})")
     t = time.perf_counter()
     results = api.generate_batch(lm, prompts, res.options, batch_size=batch_size, chat=chat,
-                                 curve=api.cost_curve(lm, min(batch_size, len(prompts)), res.options.shape.length))
+                                 curve=api.cost_curve(lm, min(batch_size, len(prompts)), res.options.copy_length))
     seconds = time.perf_counter() - t
     for p, out in zip(prompts, results):
         if as_json:

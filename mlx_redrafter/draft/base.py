@@ -120,16 +120,63 @@ def propose(plan: list[Slot], state: DecodeState, length: int) -> Proposal:
     return propose_rows([plan], [state], [length])[0]
 
 
-def propose_rows(plans: list[list[Slot]], states: list[DecodeState], lengths: list[int]) -> list[Proposal]:
+def propose_rows(plans: list[list[Slot]], states: list[DecodeState], lengths: list[int],
+                 host: list[dict[int, mx.array]] | None = None) -> list[Proposal]:
     """`propose` for several sequences at once (a batched step): each row's proposal is what `propose` gives it
     alone, but sources with the same `batch_key` (e.g. one drafter shared by every row) are asked once for all the
-    rows that need them, so a batch reads the drafter's weights once per drafted token instead of once per row."""
+    rows that need them, so a batch reads the drafter's weights once per drafted token instead of once per row.
+    `host`: what `host_proposals` already gave (a batched step asks those sources first, to price the step by
+    what they found)."""
+    got = [dict(g) for g in host] if host is not None else host_proposals(plans, states, lengths)
+    _ask(plans, states, lengths, got, lambda plan, slot: not _in_host_pass(plan, slot))
+    return [_proposal(plan, got_r, state, length) for plan, got_r, state, length in zip(plans, got, states, lengths)]
+
+
+def host_proposals(plans: list[list[Slot]], states: list[DecodeState], lengths: list[int]
+                   ) -> list[dict[int, mx.array]]:
+    """Per row, slot index -> candidates of the sources that draft one row at a time on the host (no
+    `batch_key`: context lookup, the answer table): cheap, so a batched step can ask them before it decides how
+    long the rows' candidates are, and the shared drafter drafts after that decision."""
     got: list[dict[int, mx.array]] = [{} for _ in plans]
-    for backups in (False, True):  # backups after the others: whether they are asked depends on what those gave
+    _ask(plans, states, lengths, got, _in_host_pass)
+    return got
+
+
+def drafting_source(plan: list[Slot], host: dict[int, mx.array]) -> str | None:
+    """What a row drafts from this step, given what its host sources proposed (`host_proposals`): the first of
+    those that proposed (e.g. a copy from the context), else the first shared source that will draft (the
+    drafter), else None (the row verifies g0 alone). Acceptance differs by far between these, so a batched step
+    prices each row by it."""
+    if host:
+        return plan[min(host)].source.name
+    return next((s.source.name for s in plan if s.width > 0 and not _in_host_pass(plan, s)), None)
+
+
+def host_only(plan: list[Slot], host: dict[int, mx.array]) -> bool:
+    """Whether a row's candidates this step are only those its host sources proposed (`host_proposals`): no
+    shared source drafts after them (e.g. the drafter that only backs up a context copy)."""
+    names = {plan[i].source.name for i in host}
+    return bool(host) and not any(s.width > 0 and not _in_host_pass(plan, s) and s.backs_up not in names
+                                  for s in plan)
+
+
+def _in_host_pass(plan: list[Slot], slot: Slot) -> bool:
+    """Asked before the shared sources: a host source, unless it backs up a shared one (it must wait for it)."""
+    if getattr(slot.source, "batch_key", None) is not None:
+        return False
+    backed = next((s for s in plan if s.source.name == slot.backs_up), None)
+    return backed is None or getattr(backed.source, "batch_key", None) is None
+
+
+def _ask(plans: list[list[Slot]], states: list[DecodeState], lengths: list[int], got: list[dict[int, mx.array]],
+         wanted) -> None:
+    """Ask the `wanted(plan, slot)` slots of every row, backups after the others (whether a backup is asked
+    depends on what those gave; one level: a backup does not back up a backup); adds to `got`."""
+    for backups in (False, True):
         groups: dict[tuple, list[tuple[int, int]]] = {}
         for r, plan in enumerate(plans):
             for i, slot in enumerate(plan):
-                if (slot.backs_up is not None) != backups or slot.width <= 0:
+                if (slot.backs_up is not None) != backups or slot.width <= 0 or not wanted(plan, slot):
                     continue
                 if any(plan[j].source.name == slot.backs_up for j in got[r]):
                     continue
@@ -148,7 +195,6 @@ def propose_rows(plans: list[list[Slot]], states: list[DecodeState], lengths: li
             for (r, i), c in zip(members, outs):
                 if c is not None:
                     got[r][i] = c
-    return [_proposal(plan, got_r, state, length) for plan, got_r, state, length in zip(plans, got, states, lengths)]
 
 
 def _proposal(plan: list[Slot], got: dict[int, mx.array], state: DecodeState, length: int) -> Proposal:
