@@ -401,7 +401,7 @@ def load(
 def curve(
     device: str = typer.Option(..., help="Label of this machine: results go to bench/results/DEVICE/cost-curve.*"),
     batches: str = typer.Option("1,2,3,4,5,6,7,8", help="Batch sizes (rows), comma-separated."),
-    max_tokens: int = typer.Option(8, help="Tokens per row: 1..N."),
+    max_tokens: int = typer.Option(9, help="Tokens per row: 1..N (9: the longest default context copy)."),
     context: int = typer.Option(128, help="Committed tokens per row."),
     repeats: int = typer.Option(5, help="Timed forwards per cell (the fastest is kept)."),
     keep: bool = typer.Option(True, "--keep/--no-keep", help="Also keep it as this machine's curve for batched "
