@@ -132,6 +132,7 @@ class Budget:
         self.copy_length = max(copy_length or length, length)
         self.probe, self.max_probe = probe, max_probe
         self.alpha: list[dict[str, float]] = []  # per row: kind of draft -> acceptance
+        self.kind_alpha: dict[str, float] = {}  # per kind of draft, over every row: a joining row's starting point
         self.caps: list[int] = []  # each row's longest candidate
         self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
@@ -161,8 +162,9 @@ class Budget:
         self.caps = [self.caps[i] for i in keep]
 
     def acceptance(self, row: int, kind: str) -> float:
-        """The row's alpha for this kind of draft (the prior until it has drafted so)."""
-        return self.alpha[row].get(kind, self.prior)
+        """The row's alpha for this kind of draft; until it has drafted so, what the batch's rows accepted of that
+        kind (the prior before any has): a joining row does not relearn what the others already measured."""
+        return self.alpha[row].get(kind, self.kind_alpha.get(kind, self.prior))
 
     def expected(self, alpha: float, length: int) -> float:
         """Tokens a candidate of `length` decides on average (the target's own token included)."""
@@ -240,6 +242,7 @@ class Budget:
             old = self.acceptance(r, kind)
             rate = a / trials if trials else old
             self.alpha[r][kind] = self.decay * old + (1 - self.decay) * rate
+            self.kind_alpha[kind] = self._average(self.kind_alpha.get(kind), self.alpha[r][kind])
         rows, n = self.last
         if seconds is None or self.curve is None or not rows or seconds <= 0:
             return
