@@ -166,7 +166,7 @@ def test_the_statistical_test_rejects_a_biased_rule(setup):
     model, cache, prompt, alloc = setup
     s = Sampling(temperature=1.0, top_k=3, accept=biased_rule)
     expected = exact_distribution(model, cache, prompt[-1], s, 3)
-    counts = draw(model, cache, prompt[-1], prompt[:-1], alloc, s, 160, 3)
+    counts = draw(model, cache, prompt[-1], prompt[:-1], alloc, s, 320, 3)
     assert goodness_of_fit(counts, expected) < ALPHA
 
 
