@@ -216,8 +216,8 @@ def test_a_removed_row_takes_a_cache_that_continues_exactly(target, prompts):
 
 def budget_choices(curve, accepted, seconds, rows=4, steps=200, kind=lambda step: "rnn"):
     """The common length a budget (length 4, probes after 4 steps, at most 32 apart) picks at each of `steps`
-    steps of `rows` drafting rows, when every row drafts from `kind(step)`, accepts `accepted(n)` (or
-    `accepted(n, kind)`) drafts at length n and the step takes `seconds(n, step)`."""
+    steps of `rows` drafting rows, when every row drafts from `kind(step)`, accepts `accepted(n, kind)` drafts at
+    length n and the step takes `seconds(n, step)`."""
     budget = Budget(4, curve, probe=4, max_probe=32)
     for _ in range(rows):
         budget.join()
@@ -227,8 +227,7 @@ def budget_choices(curve, accepted, seconds, rows=4, steps=200, kind=lambda step
         lengths = budget.lengths([k] * rows)
         n = max(lengths)
         chosen.append(n)
-        a = accepted(n, k) if accepted.__code__.co_argcount == 2 else accepted(n)
-        budget.observe(lengths, [a] * rows, seconds=seconds(n, step))
+        budget.observe(lengths, [accepted(n, k)] * rows, seconds=seconds(n, step))
     return chosen
 
 
@@ -236,7 +235,7 @@ def test_the_budget_measures_plain_steps_first_and_probes_less_often_while_one_k
     """No model needed: the budget's choices alone. The first step at a batch size is plain (the reference); while
     speculation keeps losing, the probes that try it come further and further apart (at most `max_probe`)."""
     steep = CostCurve({b: [float(p) for p in range(1, 9)] for b in (1, 2, 4, 8)})
-    chosen = budget_choices(steep, accepted=lambda n: 0, seconds=lambda n, step: float(n))
+    chosen = budget_choices(steep, accepted=lambda n, k: 0, seconds=lambda n, step: float(n))
     assert chosen[0] == 1
     probes = [i for i, n in enumerate(chosen) if n > 1]
     assert probes and all(chosen[i] == 2 for i in probes)
@@ -252,7 +251,7 @@ def test_the_budget_prices_speculative_steps_by_what_they_cost_beside_plain_ones
     are rejected end up on plain steps (but for rare probes); rows whose drafts are all accepted (n tokens for
     1 + (n - 1) / 2 the cost) draft the full length."""
     flat = CostCurve({b: [1.0 + 0.01 * p for p in range(8)] for b in (1, 2, 4, 8)})
-    chosen = budget_choices(flat, accepted=lambda n: n - 1 if accepting else 0,
+    chosen = budget_choices(flat, accepted=lambda n, k: n - 1 if accepting else 0,
                             seconds=lambda n, step: (1.0 + 0.5 * (n - 1)) * (1 + step / 25))
     late = chosen[50:]
     if accepting:

@@ -234,10 +234,10 @@ class Budget:
     def observe(self, lengths: list[int], accepted: list[int], seconds: float | None = None) -> None:
         """What the step's rows accepted (drafts) with the lengths they were given, and what the step cost."""
         for r, (n, a) in enumerate(zip(lengths, accepted)):
-            kind = self.kinds[r] if r < len(self.kinds) else None
+            kind = self.kinds[r]
             if n <= 1 or kind is None:
                 continue
-            n = min(n, self.step_caps[r]) if r < len(self.step_caps) else n  # a shorter copy had no more drafts
+            n = min(n, self.step_caps[r])  # a shorter copy had no more drafts
             trials = a + (a < n - 1)  # accepted drafts, then the rejected one (if the run ended early)
             old = self.acceptance(r, kind)
             rate = a / trials if trials else old
