@@ -1,6 +1,7 @@
 """The small-GEMM path (x86-64 with AVX-512 or AVX2 + FMA): right products, the same bits whatever the number
 of rows, and the BLAS for everything else."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_redrafter.system.blas import small_gemm_calls, small_gemm_disabled, status
+from mlx_redrafter.system.blas import small_gemm_avx2, small_gemm_calls, small_gemm_disabled, status
 
 # Where the kernel is built for (x86-64 Linux with AVX-512 or AVX2 + FMA, switch on), its absence is a failure.
 # conftest installed the BLAS before this module imported mlx.core, so the status says what install expected.
@@ -31,26 +32,37 @@ def test_the_kernel_is_active_where_it_is_expected():
     assert have_path() or not EXPECTED
 
 
-def test_products_match_float64():
+@pytest.mark.parametrize("path", ["best", "avx2"])
+def test_products_match_float64(path):
     if not have_path():
         pytest.skip("small-GEMM library not built on this machine (not x86-64 Linux with AVX-512 or AVX2)")
     rng = np.random.default_rng(0)
-    for M, N, K in [(1, 1536, 576), (3, 576, 1536), (8, 49152, 576), (16, 960, 576), (5, 200, 512)]:
-        x, w = rng.standard_normal((M, K), dtype=np.float32), rng.standard_normal((N, K), dtype=np.float32)
-        got = np.array(mx.array(x) @ mx.array(w).T)
-        ref = x.astype(np.float64) @ w.astype(np.float64).T
-        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max() + 1e-4
+    shapes = [(1, 1536, 576), (3, 576, 1536), (8, 49152, 576), (16, 960, 576), (5, 200, 512)]
+    shapes += [(M, 1007, 576) for M in range(1, 17)]  # every row count, and a tail of weight rows
+    with _path(path):
+        for M, N, K in shapes:
+            x, w = rng.standard_normal((M, K), dtype=np.float32), rng.standard_normal((N, K), dtype=np.float32)
+            got = np.array(mx.array(x) @ mx.array(w).T)
+            ref = x.astype(np.float64) @ w.astype(np.float64).T
+            assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max() + 1e-4, (M, N, K)
 
 
-def test_a_row_gets_the_same_bits_whatever_the_number_of_rows():
+@pytest.mark.parametrize("path", ["best", "avx2"])
+def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(path):
     if not have_path():
         pytest.skip("small-GEMM library not built on this machine")
     rng = np.random.default_rng(1)
-    w = mx.array(rng.standard_normal((1536, 576), dtype=np.float32))
+    w = mx.array(rng.standard_normal((1537, 576), dtype=np.float32))
     x = mx.array(rng.standard_normal((16, 576), dtype=np.float32))
-    full = np.array(x @ w.T)
-    for M in range(1, 16):  # every kernel (one per row count up to 8) and the two-pass counts
-        assert np.array_equal(np.array(x[:M] @ w.T), full[:M])
+    with _path(path):
+        full = np.array(x @ w.T)
+        for M in range(1, 16):  # every kernel (one per row count) and, on AVX2, the two-pass counts
+            assert np.array_equal(np.array(x[:M] @ w.T), full[:M]), M
+
+
+def _path(path: str):
+    """The kernel's best path for this CPU, or its AVX2 + FMA path."""
+    return small_gemm_avx2() if path == "avx2" else contextlib.nullcontext()
 
 
 def test_other_products_go_to_the_blas():

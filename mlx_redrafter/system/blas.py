@@ -276,6 +276,20 @@ def small_gemm_disabled() -> Iterator[None]:
             _small.redrafter_gemm_enable(ctypes.c_int(1))
 
 
+@contextmanager
+def small_gemm_avx2() -> Iterator[bool]:
+    """Run the kernel's AVX2 + FMA path while inside, even where the CPU has AVX-512 (to test both paths on one
+    machine); yields whether the kernel is loaded."""
+    if _small is None:
+        yield False
+        return
+    was = _small.redrafter_gemm_use_avx512(ctypes.c_int(0))
+    try:
+        yield True
+    finally:
+        _small.redrafter_gemm_use_avx512(ctypes.c_int(was))
+
+
 def small_gemm_calls() -> tuple[int, int]:
     """(products our small-GEMM path computed, products it handed to the BLAS) so far; (0, 0) without it."""
     if _small is None:

@@ -2,10 +2,10 @@
  *
  * MLX computes every float32 matrix product through cblas_sgemm. Loaded with RTLD_GLOBAL before the optimized
  * BLAS (see blas.py), this library's cblas_sgemm is the one MLX calls: it handles y = x W^T with few rows of x
- * (decode steps and the verification of a few draft tokens: M <= 16) by streaming each weight row once and
- * computing all M dot products from it, and hands every other product to the real BLAS. Each output element
- * is computed in the same order whatever M is, so a token's logits do not depend on how many tokens were
- * verified with it.
+ * (decode steps and the verification of a few draft tokens: M <= 16) by streaming each weight row once (once
+ * per 8 rows of x on AVX2) and computing all M dot products from it, and hands every other product to the real
+ * BLAS. Each output element is computed in the same order whatever M is, so a token's logits do not depend on
+ * how many tokens were verified with it.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -61,10 +61,26 @@ long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
             for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = _mm512_reduce_add_ps(acc[m]);              \
         }                                                                                                    \
     }
+/* One pass over the weights for every M <= 16: R weight rows at a time, M * R accumulators (of 32 registers). */
 KERNEL(1, 12)
 KERNEL(2, 10)
+KERNEL(3, 8)
 KERNEL(4, 6)
+KERNEL(5, 5)
+KERNEL(6, 4)
+KERNEL(7, 3)
 KERNEL(8, 3)
+KERNEL(9, 2)
+KERNEL(10, 2)
+KERNEL(11, 2)
+KERNEL(12, 2)
+KERNEL(13, 2)
+KERNEL(14, 2)
+KERNEL(15, 1)
+KERNEL(16, 1)
+typedef void (*kernel_fn)(const float *, const float *, float *, int, int, int, int);
+static const kernel_fn avx512_kernels[17] = {0,       k_1_12, k_2_10, k_3_8,  k_4_6,  k_5_5,  k_6_4,  k_7_3, k_8_3,
+                                             k_9_2,   k_10_2, k_11_2, k_12_2, k_13_2, k_14_2, k_15_1, k_16_1};
 
 /* The same kernels on 8-lane AVX2 + FMA registers (16 of them: at most 8 accumulators). */
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -113,26 +129,22 @@ KERNEL2(5, 1)
 KERNEL2(6, 1)
 KERNEL2(7, 1)
 KERNEL2(8, 1)
-typedef void (*kernel_fn)(const float *, const float *, float *, int, int, int, int);
 static const kernel_fn avx2_kernels[9] = {0, a_1_8, a_2_4, a_3_2, a_4_2, a_5_1, a_6_1, a_7_1, a_8_1};
 
+static int avx512_off = 0; /* set by redrafter_gemm_use_avx512(0): the AVX2 kernels on an AVX-512 machine */
 static int has_avx512(void) {
     static int ok = -1;
     if (ok < 0) ok = __builtin_cpu_supports("avx512f") ? 1 : 0;
-    return ok;
+    return ok && !avx512_off;
 }
 
 /* y (M, ldy) [n0, n1) = x (M, K) w[n0:n1]^T; every element summed in the same order whatever M is. */
 static void rows(const float *x, const float *w, float *y, int M, int K, int ldy, int n0, int n1) {
-    int m = 0;
-    if (has_avx512()) {
-        for (; M - m >= 8; m += 8) k_8_3(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
-        if (M - m >= 4) { k_4_6(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 4; }
-        if (M - m >= 2) { k_2_10(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1); m += 2; }
-        if (M - m >= 1) k_1_12(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
+    if (has_avx512()) { /* M <= 16 (cblas_sgemm's guard) */
+        avx512_kernels[M](x, w, y, K, ldy, n0, n1);
         return;
     }
-    for (; m < M; m += 8) /* one pass over the weights per 8 rows of x */
+    for (int m = 0; m < M; m += 8) /* one pass over the weights per 8 rows of x */
         avx2_kernels[M - m < 8 ? M - m : 8](x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
 }
 
@@ -142,6 +154,14 @@ static int usable(void) {
     return ok;
 }
 #endif
+
+/* Whether the AVX-512 kernels may run where the CPU has them (tests exercise both paths); returns the previous
+   setting. */
+int redrafter_gemm_use_avx512(int on) {
+    int was = !avx512_off;
+    avx512_off = !on;
+    return was;
+}
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
 
