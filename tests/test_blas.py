@@ -85,5 +85,5 @@ def test_the_json_record_holds_the_full_blas_status(tmp_path):
     p = run([*CLI, "generate", "-p", "Hi", "-n", "2", "--no-draft", "--json"], tmp_path)
     assert p.returncode == 0, p.stderr
     full = json.loads(p.stdout.splitlines()[-1])["blas_status"]
-    assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_expected", "problem"}
+    assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_version", "small_gemm_expected", "problem"}
     assert full["installed"] and full["small_gemm"] == EXPECTED

@@ -44,12 +44,15 @@ class BlasStatus:
     installed: bool = False
     blas: str = "mlx-default"  # the library's file name, or mlx-default (the wheel's reference BLAS)
     small_gemm: bool = False
+    small_gemm_version: int = 0  # the kernel build's version (its speed; see csrc/smallgemm.c)
     small_gemm_expected: bool = False
     problem: str = ""  # why an expected piece is missing, or what the self-check found
 
     def describe(self) -> str:
-        """E.g. 'libmkl_rt.so.2+smallgemm'."""
-        return self.blas + ("+smallgemm" if self.small_gemm else "")
+        """E.g. 'libmkl_rt.so.2+smallgemm2' (the kernel's version after its name, from version 2)."""
+        if not self.small_gemm:
+            return self.blas
+        return self.blas + "+smallgemm" + (str(self.small_gemm_version) if self.small_gemm_version > 1 else "")
 
     def as_dict(self) -> dict:
         """All fields, for --json output and benchmark records."""
@@ -175,6 +178,8 @@ def install() -> BlasStatus:
     if _handle is None:
         _bundled_fallback()
     st.blas, st.small_gemm = _loaded or "mlx-default", _small is not None
+    if _small is not None:
+        st.small_gemm_version = _small.redrafter_gemm_version() if hasattr(_small, "redrafter_gemm_version") else 1
     _self_check(st)
     if st.problem:
         fix = ("rebuild it with `make setup` (or `pip install -e .`), or set REDRAFTER_SMALL_GEMM=off to silence this"
@@ -260,7 +265,7 @@ def status() -> BlasStatus:
 
 
 def blas_name() -> str:
-    """Name of the BLAS MLX uses in this process (for reports), e.g. 'libmkl_rt.so.2+smallgemm'."""
+    """Name of the BLAS MLX uses in this process (for reports), e.g. 'libmkl_rt.so.2+smallgemm2'."""
     return _status.describe()
 
 

@@ -26,6 +26,8 @@ void redrafter_gemm_init(void *real_sgemm, int threads) {
 void redrafter_gemm_set_threads(int threads) { n_threads = threads > 0 ? threads : 1; }
 void redrafter_gemm_enable(int on) { enabled = on; }
 long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
+/* Bumped whenever the kernels' speed changes, so costs measured with an older build are measured again. */
+int redrafter_gemm_version(void) { return 2; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
