@@ -3,8 +3,8 @@
     speculative_step:  draft (draft/base.py) -> pack (tree.py) -> verify (model.py) -> accept (accept.py)
                        -> commit (cache.py)
 
-Every function works on one sequence and keeps MLX lazy: the speculative step syncs twice (after drafting, to
-learn the packed tree's size; at the end, to read the accepted tokens).
+Every function works on one sequence and keeps MLX lazy: the speculative step syncs at its end, to read the
+accepted tokens, and after drafting where it has several candidates (to learn the packed tree's size).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import DecodeState, Slot, propose
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
-from mlx_redrafter.tree import pack, verify_mask
+from mlx_redrafter.tree import verify_mask
 
 PHASES = ("draft", "pack", "verify", "accept", "commit")
 
@@ -70,7 +70,9 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     proposal = propose(plan, state, length)  # draft
     cands = proposal.candidates
     clock.lap("draft", cands)
-    tree = pack(cands)  # pack (syncs once: the packed size)
+    if proposal.chain:  # one candidate: drafting runs while the verify graph is built
+        mx.async_eval(cands)
+    tree = proposal.pack()  # pack (syncs once to learn the packed size, unless one candidate: a chain)
     clock.lap("pack", tree.mask, tree.parent, unprofiled="draft")
     positions = (cache.offset + tree.depth)[None]  # verify
     logits, hidden = model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))

@@ -60,6 +60,16 @@ def pack(cands: mx.array) -> PackedTree:
                       size=P)
 
 
+def chain(cands: mx.array, size: int) -> PackedTree:
+    """The packed tree of one candidate (1, L) whose first `size` slots are real (PAD after them): the candidate
+    itself, as `pack` would give it, without a host sync."""
+    L = cands.shape[1]
+    idx = mx.arange(size, dtype=mx.int32)
+    slots = mx.arange(L, dtype=mx.int32)
+    return PackedTree(tokens=cands[0, :size], depth=idx, mask=idx[:, None] >= idx[None, :], parent=idx - 1,
+                      unpacker=mx.where(slots < size, slots, 0)[None], size=size)
+
+
 def verify_mask(tree_mask: mx.array, context_len: int) -> mx.array:
     """(1, 1, P, context_len + P) bool: every packed token sees the whole committed context."""
     P = tree_mask.shape[0]

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_redrafter.tree import pack, prefix_of, verify_mask
+from mlx_redrafter.tree import PAD, chain, pack, prefix_of, verify_mask
 
 
 def brute_force(beams: np.ndarray):
@@ -62,6 +62,16 @@ def test_distinct_beams_share_only_the_first_token():
 def test_single_beam_is_a_causal_chain():
     tree = check([[3, 1, 4, 1, 5]])
     assert np.array(tree.mask).tolist() == np.tril(np.ones((5, 5), dtype=bool)).tolist()
+
+
+@pytest.mark.parametrize("row", [[3, 1, 4, 1, 5], [3, 1, 4, PAD, PAD], [3, PAD, PAD, PAD, PAD], [3]])
+def test_one_candidate_packs_without_a_sync_as_pack_does(row):
+    """`chain` (one candidate of known length, no host sync) gives `pack`'s tree."""
+    cands = mx.array([row], dtype=mx.int32)
+    want, got = pack(cands), chain(cands, sum(t != PAD for t in row))
+    assert got.size == want.size
+    for field in ("tokens", "depth", "mask", "parent", "unpacker"):
+        np.testing.assert_array_equal(np.array(getattr(got, field)), np.array(getattr(want, field)), err_msg=field)
 
 
 def test_random_beams_match_brute_force():

@@ -22,7 +22,6 @@ from mlx_redrafter.draft.base import DecodeState, Proposal, Slot, propose_rows
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
 from mlx_redrafter.step import StepResult
-from mlx_redrafter.tree import pack
 
 
 @dataclass
@@ -57,12 +56,14 @@ def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sa
 def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
                      host: list[dict[int, mx.array]] | None = None) -> list[StepResult]:
     """Every row drafts by its own plan (`host`: what its host sources already proposed, `host_proposals`); one
-    target call verifies every row's tree; each row keeps its longest accepted run. Syncs once after drafting
-    (tree sizes) and once at the end (the accepted tokens)."""
+    target call verifies every row's tree; each row keeps its longest accepted run. Syncs once at the end (the
+    accepted tokens), and after drafting unless every row has one candidate (tree sizes)."""
     proposals = propose_rows([r.plan for r in rows], [r.state for r in rows], [r.length for r in rows], host)  # draft
-    proposals = [Proposal(p.candidates[:, : r.length], p.rows) if r.capped else p for r, p in zip(rows, proposals)]
-    mx.eval([p.candidates for p in proposals])
-    trees = [pack(p.candidates) for p in proposals]  # pack
+    proposals = [Proposal(p.candidates[:, : r.length], p.rows, min(p.chain, r.length)) if r.capped else p
+                 for r, p in zip(rows, proposals)]
+    if not all(p.chain for p in proposals):
+        mx.eval([p.candidates for p in proposals])  # one sync for every row's tree size
+    trees = [p.pack() for p in proposals]  # pack
     P = max(t.size for t in trees)
     B, ctx = len(rows), cache.offset
     pad = [P - t.size for t in trees]

@@ -11,7 +11,7 @@ Candidates must be a deterministic function of the decided tokens and the target
 of what the source was told through `start` / `extend`: exact sampling verifies each candidate against the
 target's distribution and relies on the drafts not depending on anything the target did not see.
 
-This module imports nothing of the package but the packed tree's PAD: every source builds on it.
+This module imports nothing of the package but the packed tree (tree.py): every source builds on it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from mlx_redrafter.tree import PAD
+from mlx_redrafter.tree import PAD, PackedTree, chain, pack
 
 
 @dataclass
@@ -59,6 +59,7 @@ class Source:
 
     name = "source"
     optional = False
+    pads = True  # a candidate may end (PAD) before the full length; False: one candidate packs without a host sync
 
     def start(self, tokens: list[int]) -> None:
         pass
@@ -86,6 +87,11 @@ class Proposal:
 
     candidates: mx.array
     rows: list[tuple[str, int]]
+    chain: int = 0  # > 0: one candidate, real up to this many slots (its packed tree is known without a sync)
+
+    def pack(self) -> PackedTree:
+        """The candidates' packed tree (`tree.pack`; `tree.chain` for one candidate of known length)."""
+        return chain(self.candidates, self.chain) if self.chain else pack(self.candidates)
 
     def by_source(self, per_row: list[int]) -> dict[str, int]:
         """Per source, the best of a per-candidate value (e.g. the drafts each candidate had accepted)."""
@@ -200,13 +206,15 @@ def _ask(plans: list[list[Slot]], states: list[DecodeState], lengths: list[int],
 def _proposal(plan: list[Slot], got: dict[int, mx.array], state: DecodeState, length: int) -> Proposal:
     if not got:
         alone = mx.concatenate([state.g0.astype(mx.int32), mx.full((length - 1,), PAD, dtype=mx.int32)])[None]
-        return Proposal(alone, [])
+        return Proposal(alone, [], chain=1)
     parts = [got[i] for i in sorted(got)]
     width = max(c.shape[1] for c in parts)
     parts = [c if c.shape[1] == width else mx.pad(c, [(0, 0), (0, width - c.shape[1])], constant_values=PAD)
              for c in parts]
     cands = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-    return Proposal(cands, [(plan[i].source.name, got[i].shape[0]) for i in sorted(got)])
+    one = len(got) == 1 and cands.shape[0] == 1 and not getattr(plan[next(iter(got))].source, "pads", True)
+    return Proposal(cands, [(plan[i].source.name, got[i].shape[0]) for i in sorted(got)],
+                    chain=cands.shape[1] if one else 0)
 
 
 class Allocator:

@@ -96,6 +96,7 @@ class BeamSource(Source):
     (width 1: greedy drafting). Rows of a batch that share the drafter draft together (`propose_many`)."""
 
     name = "beam"
+    pads = False
 
     def __init__(self, drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], key: tuple = ()):
         """`key`: what besides the drafter and the embedding makes two sources draft differently."""

@@ -239,6 +239,7 @@ class LookupSource:
     """
 
     optional = True  # may sit out (Allocator) when it keeps finding nothing worth verifying
+    pads = False  # one copy is never padded (see Source.pads)
 
     def __init__(self, index_factory: Callable[[], object], name: str = "lookup", max_length: int = 0):
         self.factory, self.name, self.max_length = index_factory, name, max_length
@@ -266,5 +267,6 @@ class LookupSource:
         self.proposed = self.index.candidates(self.asked, width)
         if not self.proposed:
             return None
-        rows = [[state.tokens[-1], *c] + [PAD] * (self.asked - len(c)) for c in self.proposed]
+        longest = max(len(c) for c in self.proposed)  # so one copy is never padded
+        rows = [[state.tokens[-1], *c] + [PAD] * (longest - len(c)) for c in self.proposed]
         return mx.array(rows, dtype=mx.int32)
