@@ -107,8 +107,8 @@ def readme(meta: dict[str, Any]) -> str:
              "all prompts together (what a user waiting on the workload sees); beside it the per-prompt ratios' "
              "median and range; prefill excluded; width = W of a drafter, the lookup width for lookup, tree nodes "
              "for medusa:", "",
-             "| draft | dtype | T | accept | width | L | tokens/step | decode tok/s | our AR tok/s | mlx-lm tok/s "
-             "| vs AR (pooled) | median | per-prompt range | vs mlx-lm | ids = AR |",
+             "| draft | dtype | T | accept | width | L | tokens/step (pooled) | decode tok/s | our AR tok/s "
+             "| mlx-lm tok/s | vs AR (pooled) | median | per-prompt range | vs mlx-lm | ids = AR |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], b.get("accept", ""),
                                                  -b["speedup_vs_ar"])):
