@@ -1,8 +1,9 @@
 """Built-in defaults in one place: the decode shape used without a tuned entry, and the sweep grids."""
 
-# Without a tuned entry (`redrafter-mlx tune`): the best cell measured in bench/results/cpu-avx2 (W1 L4, see README).
+# Without a tuned entry (`redrafter-mlx tune`): the best cell measured in bench/results/cpu-avx2 (W1 L3, see README;
+# bench-20261125-224306 swept L 3-6 for the default mode and the drafter alone: L3 first in both).
 DEFAULT_BEAM_WIDTH = 1
-DEFAULT_BEAM_LENGTH = 4
+DEFAULT_BEAM_LENGTH = 3
 DEFAULT_LOOKUP_WIDTH = 1
 # Candidates from the model's answer table (lookup modes, where a table is shipped): off by default, because on
 # our CPU it adds tokens per call (+0.03-0.11) but costs more verification than it saves
