@@ -308,8 +308,7 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
         "prompts": len(rs),
         # pooled (all prompts' decided tokens over all their target calls), like speedup_vs_ar: the mean of the
         # per-prompt figures is carried by a few copy-heavy prompts
-        "tokens_per_step": sum(r["tokens_per_step"] * r["steps"] for r in rs) / steps if steps != float("inf")
-        else 0.0,
+        "tokens_per_step": sum(r["tokens_per_step"] * r["steps"] for r in rs) / steps,
         "tokens_per_step_mean": _mean([r["tokens_per_step"] for r in rs]),
         "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in rs]),
         "ar_decode_tokens_per_s": _mean([r["ar_decode_tokens_per_s"] for r in rs]),

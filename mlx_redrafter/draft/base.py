@@ -40,6 +40,7 @@ class DraftSource(Protocol):
 
     name: str
     optional: bool  # may sit out steps where it keeps finding nothing worth verifying (`Allocator`)
+    pads: bool  # one candidate may end (PAD) before the full length; False: it packs without a host sync
 
     def start(self, tokens: list[int]) -> None:
         """A new sequence begins; `tokens` are all decided tokens (g0 last)."""
@@ -59,7 +60,7 @@ class Source:
 
     name = "source"
     optional = False
-    pads = True  # a candidate may end (PAD) before the full length; False: one candidate packs without a host sync
+    pads = True
 
     def start(self, tokens: list[int]) -> None:
         pass
@@ -212,7 +213,7 @@ def _proposal(plan: list[Slot], got: dict[int, mx.array], state: DecodeState, le
     parts = [c if c.shape[1] == width else mx.pad(c, [(0, 0), (0, width - c.shape[1])], constant_values=PAD)
              for c in parts]
     cands = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-    one = len(got) == 1 and cands.shape[0] == 1 and not getattr(plan[next(iter(got))].source, "pads", True)
+    one = len(got) == 1 and cands.shape[0] == 1 and not plan[next(iter(got))].source.pads
     return Proposal(cands, [(plan[i].source.name, got[i].shape[0]) for i in sorted(got)],
                     chain=cands.shape[1] if one else 0)
 

@@ -239,7 +239,7 @@ class LookupSource:
     """
 
     optional = True  # may sit out (Allocator) when it keeps finding nothing worth verifying
-    pads = False  # one copy is never padded (see Source.pads)
+    pads = False  # one copy is never padded
 
     def __init__(self, index_factory: Callable[[], object], name: str = "lookup", max_length: int = 0):
         self.factory, self.name, self.max_length = index_factory, name, max_length
