@@ -27,62 +27,70 @@ void redrafter_gemm_set_threads(int threads) { n_threads = threads > 0 ? threads
 void redrafter_gemm_enable(int on) { enabled = on; }
 long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
 /* Bumped whenever the kernels' speed changes, so costs measured with an older build are measured again. */
-int redrafter_gemm_version(void) { return 2; }
+int redrafter_gemm_version(void) { return 3; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <omp.h>
 
-#define KERNEL(MM, R)                                                                                        \
-    __attribute__((target("avx512f"))) static void k_##MM##_##R(const float *x, const float *w, float *y,   \
-                                                                int K, int ldy, int n0, int n1) {           \
+/* One block: R weight rows [n, n + R) times MM rows of x, M * R accumulators (of 32 registers). With pf, the
+ * next block's weight rows are prefetched into L2 while this one computes: without it the hardware prefetcher
+ * falls behind once the arithmetic per weight row grows, and a product over 8 rows took twice the time of one. */
+#define BLOCK(MM, R)                                                                                         \
+    __attribute__((target("avx512f"))) static inline void b_##MM##_##R(const float *x, const float *w,      \
+                                                                       float *y, int K, int ldy, int n,     \
+                                                                       int pf) {                            \
+        __m512 acc[MM][R];                                                                                   \
+        for (int m = 0; m < MM; m++)                                                                         \
+            for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();                                     \
+        for (int k = 0; k < K; k += 16) {                                                                    \
+            __m512 wv[R];                                                                                    \
+            if (pf)                                                                                          \
+                for (int r = 0; r < R; r++)                                                                  \
+                    _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), _MM_HINT_T2);              \
+            for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (size_t)(n + r) * K + k);                \
+            for (int m = 0; m < MM; m++) {                                                                   \
+                __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);                                          \
+                for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);               \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int m = 0; m < MM; m++)                                                                         \
+            for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = _mm512_reduce_add_ps(acc[m][r]);       \
+    }
+BLOCK(1, 12) BLOCK(2, 10) BLOCK(3, 8) BLOCK(4, 6) BLOCK(5, 5) BLOCK(6, 4) BLOCK(7, 3) BLOCK(8, 3)
+BLOCK(4, 5) BLOCK(5, 4) BLOCK(6, 3)
+BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
+
+/* M rows of x as one chunk (M <= 8) or two (S0 + S1 = M, each <= 8) sharing every block of R weight rows: the
+ * weights come from memory once whatever M is, the second chunk reads the block from L1. */
+#define ROWS1(M, R)                                                                                          \
+    __attribute__((target("avx512f"))) static void k_##M(const float *x, const float *w, float *y, int K,   \
+                                                         int ldy, int n0, int n1) {                         \
+        int n = n0;                                                                                          \
+        for (; n + R <= n1; n += R) b_##M##_##R(x, w, y, K, ldy, n, 1);                                      \
+        for (; n < n1; n++) b_##M##_1(x, w, y, K, ldy, n, 0);                                                \
+    }
+#define ROWS2(M, R, S0, S1)                                                                                  \
+    __attribute__((target("avx512f"))) static void k_##M(const float *x, const float *w, float *y, int K,   \
+                                                         int ldy, int n0, int n1) {                         \
+        const float *x1 = x + (size_t)S0 * K;                                                                \
+        float *y1 = y + (size_t)S0 * ldy;                                                                    \
         int n = n0;                                                                                          \
         for (; n + R <= n1; n += R) {                                                                        \
-            __m512 acc[MM][R];                                                                               \
-            for (int m = 0; m < MM; m++)                                                                     \
-                for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();                                 \
-            for (int k = 0; k < K; k += 16) {                                                                \
-                __m512 wv[R];                                                                                \
-                for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (size_t)(n + r) * K + k);            \
-                for (int m = 0; m < MM; m++) {                                                               \
-                    __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);                                      \
-                    for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);           \
-                }                                                                                            \
-            }                                                                                                \
-            for (int m = 0; m < MM; m++)                                                                     \
-                for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = _mm512_reduce_add_ps(acc[m][r]);   \
+            b_##S0##_##R(x, w, y, K, ldy, n, 1);                                                             \
+            b_##S1##_##R(x1, w, y1, K, ldy, n, 0);                                                           \
         }                                                                                                    \
         for (; n < n1; n++) {                                                                                \
-            __m512 acc[MM];                                                                                  \
-            for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();                                       \
-            for (int k = 0; k < K; k += 16) {                                                                \
-                __m512 wv = _mm512_loadu_ps(w + (size_t)n * K + k);                                          \
-                for (int m = 0; m < MM; m++)                                                                 \
-                    acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (size_t)m * K + k), acc[m]);             \
-            }                                                                                                \
-            for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = _mm512_reduce_add_ps(acc[m]);              \
+            b_##S0##_1(x, w, y, K, ldy, n, 0);                                                               \
+            b_##S1##_1(x1, w, y1, K, ldy, n, 0);                                                             \
         }                                                                                                    \
     }
-/* One pass over the weights for every M <= 16: R weight rows at a time, M * R accumulators (of 32 registers). */
-KERNEL(1, 12)
-KERNEL(2, 10)
-KERNEL(3, 8)
-KERNEL(4, 6)
-KERNEL(5, 5)
-KERNEL(6, 4)
-KERNEL(7, 3)
-KERNEL(8, 3)
-KERNEL(9, 2)
-KERNEL(10, 2)
-KERNEL(11, 2)
-KERNEL(12, 2)
-KERNEL(13, 2)
-KERNEL(14, 2)
-KERNEL(15, 1)
-KERNEL(16, 1)
+ROWS1(1, 12) ROWS1(2, 10) ROWS1(3, 8) ROWS1(4, 6) ROWS1(5, 5) ROWS1(6, 4) ROWS1(7, 3) ROWS1(8, 3)
+ROWS2(9, 5, 5, 4) ROWS2(10, 5, 5, 5) ROWS2(11, 4, 6, 5) ROWS2(12, 4, 6, 6)
+ROWS2(13, 3, 7, 6) ROWS2(14, 3, 7, 7) ROWS2(15, 3, 8, 7) ROWS2(16, 3, 8, 8)
 typedef void (*kernel_fn)(const float *, const float *, float *, int, int, int, int);
-static const kernel_fn avx512_kernels[17] = {0,       k_1_12, k_2_10, k_3_8,  k_4_6,  k_5_5,  k_6_4,  k_7_3, k_8_3,
-                                             k_9_2,   k_10_2, k_11_2, k_12_2, k_13_2, k_14_2, k_15_1, k_16_1};
+static const kernel_fn avx512_kernels[17] = {0,    k_1,  k_2,  k_3,  k_4,  k_5,  k_6,  k_7, k_8,
+                                             k_9,  k_10, k_11, k_12, k_13, k_14, k_15, k_16};
 
 /* The same kernels on 8-lane AVX2 + FMA registers (16 of them: at most 8 accumulators). */
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -102,7 +110,7 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
             for (int k = 0; k < K; k += 8) {                                                                 \
                 __m256 wv[R];                                                                                \
                 if ((k & 15) == 0) /* the next block's rows: keeps enough loads in flight when MM is large */ \
-                    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), _MM_HINT_T0); \
+                    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), _MM_HINT_T2); \
                 for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + (size_t)(n + r) * K + k);            \
                 for (int m = 0; m < MM; m++) {                                                               \
                     __m256 xv = _mm256_loadu_ps(x + (size_t)m * K + k);                                      \
