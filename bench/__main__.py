@@ -403,7 +403,7 @@ def curve(
     batches: str = typer.Option("1,2,3,4,5,6,7,8", help="Batch sizes (rows), comma-separated."),
     max_tokens: int = typer.Option(9, help="Tokens per row: 1..N (9: the longest default context copy)."),
     context: int = typer.Option(128, help="Committed tokens per row."),
-    repeats: int = typer.Option(5, help="Timed forwards per cell (the fastest is kept)."),
+    repeats: int = typer.Option(5, help="Timed rounds over every cell, interleaved (the median is kept)."),
     keep: bool = typer.Option(True, "--keep/--no-keep", help="Also keep it as this machine's curve for batched "
                               "decoding of the embedded model."),
 ) -> None:
@@ -421,7 +421,7 @@ def curve(
     watch = MachineWatch()  # waits for a load average left by finished work to decay; watches other processes
     watch.start()
     cv = CostCurve.measure(lm.target.model, bs, max_tokens, context, repeats,
-                           progress=lambda b, p: typer.echo(f"curve: B={b} P={p}", err=True))
+                           progress=lambda r, n: typer.echo(f"curve: round {r}/{n} over every cell", err=True))
     state = watch.stop()
     cv.meta = {"model": lm.target.name, "machine": fingerprint(), "machine_state": state}
     out = Path(__file__).resolve().parent / "results" / device

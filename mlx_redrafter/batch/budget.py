@@ -14,6 +14,7 @@ for the drafting rows (1 = a plain batched step: speculation backs off).
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,34 +47,41 @@ class CostCurve:
     @classmethod
     def measure(cls, model, batches: list[int], max_tokens: int, context: int = 128, repeats: int = 3,
                 progress=None) -> CostCurve:
-        """Time one forward of B rows x P tokens over `context` committed tokens per row (the fastest of
-        `repeats`, after one unmeasured run: the cost without the machine's noise), for every B in `batches` and P
-        in 1..max_tokens."""
+        """Time one forward of B rows x P tokens over `context` committed tokens per row, for every B in
+        `batches` and P in 1..max_tokens: the median of `repeats` rounds that each visit every cell once (after
+        one unmeasured round), so a change in the machine's speed during the measurement (memory bandwidth
+        shared with other tenants moves a forward by +-20% here) touches every cell alike."""
         from mlx_redrafter.batch.cache import RowsCache
 
         one = model.make_cache(context)
         model(mx.zeros((1, context), dtype=mx.int32), one)
         one.advance(context)
         mx.eval(*one.state())
-        out: dict[int, list[float]] = {}
+        caches = {}
         for b in batches:
-            cache = RowsCache(model.args.num_hidden_layers, context + max_tokens)
+            caches[b] = RowsCache(model.args.num_hidden_layers, context + max_tokens)
             for _ in range(b):
-                cache.join(one)
-            mx.eval(*cache.state())
-            out[b] = []
-            for p in range(1, max_tokens + 1):  # forwards write scratch entries only: the cache stays as joined
-                mask = mx.ones((b, 1, p, context + p), dtype=mx.bool_)
-                pos = mx.broadcast_to(mx.arange(context, context + p), (b, p))
-                times = []
-                for _ in range(repeats + 1):
-                    t = time.perf_counter()
-                    mx.eval(*model(mx.zeros((b, p), dtype=mx.int32), cache, pos, mask))
-                    times.append(time.perf_counter() - t)
-                out[b].append(min(times[1:]))
-                if progress:
-                    progress(b, p)
-        return cls(out, context)
+                caches[b].join(one)
+            mx.eval(*caches[b].state())
+        cells = [(b, p) for b in batches for p in range(1, max_tokens + 1)]
+
+        def forward_s(b: int, p: int) -> float:  # forwards write scratch entries only: caches stay as joined
+            mask = mx.ones((b, 1, p, context + p), dtype=mx.bool_)
+            pos = mx.broadcast_to(mx.arange(context, context + p), (b, p))
+            t = time.perf_counter()
+            mx.eval(*model(mx.zeros((b, p), dtype=mx.int32), caches[b], pos, mask))
+            return time.perf_counter() - t
+
+        times: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
+        for r in range(repeats + 1):
+            for b, p in cells:
+                t = forward_s(b, p)
+                if r:
+                    times[(b, p)].append(t)
+            if progress:
+                progress(r, repeats)
+        return cls({b: [statistics.median(times[(b, p)]) for p in range(1, max_tokens + 1)] for b in batches},
+                   context)
 
     def to_dict(self) -> dict:
         return {"seconds": {str(b): [round(s, 6) for s in v] for b, v in self.seconds.items()},
@@ -290,7 +298,7 @@ def measured_curve(target_model, model: str, fingerprint: str, batch: int, lengt
     if log:
         log(f"measuring the cost of batched target calls (batches 1-{batch}, 1-{length} tokens per row), once "
             f"for this model on this machine: {curve_file(model, fingerprint)}")
-    curve = CostCurve.measure(target_model, list(range(1, batch + 1)), length, repeats=2)
+    curve = CostCurve.measure(target_model, list(range(1, batch + 1)), length, repeats=3)
     curve.meta = {"model": model, "machine": fingerprint}
     try:
         curve.save(curve_file(model, fingerprint))

@@ -2,10 +2,10 @@
  *
  * MLX computes every float32 matrix product through cblas_sgemm. Loaded with RTLD_GLOBAL before the optimized
  * BLAS (see blas.py), this library's cblas_sgemm is the one MLX calls: it handles y = x W^T with few rows of x
- * (decode steps and the verification of a few draft tokens: M <= 16) by streaming each weight row once (once
- * per 8 rows of x on AVX2) and computing all M dot products from it, and hands every other product to the real
- * BLAS. Each output element is computed in the same order whatever M is, so a token's logits do not depend on
- * how many tokens were verified with it.
+ * (decode steps and the verification of draft tokens, batched too: M <= 32 on AVX-512, 16 on AVX2) by streaming
+ * each weight row once (once per 8 rows of x on AVX2) and computing all M dot products from it, and hands every
+ * other product to the real BLAS. Each output element is computed in the same order whatever M is, so a token's
+ * logits do not depend on how many tokens were verified with it.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -27,13 +27,13 @@ void redrafter_gemm_set_threads(int threads) { n_threads = threads > 0 ? threads
 void redrafter_gemm_enable(int on) { enabled = on; }
 long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
 /* Bumped whenever the kernels' speed changes, so costs measured with an older build are measured again. */
-int redrafter_gemm_version(void) { return 3; }
+int redrafter_gemm_version(void) { return 4; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <omp.h>
 
-/* One block: R weight rows [n, n + R) times MM rows of x, M * R accumulators (of 32 registers). With pf, the
+/* One block: R weight rows [n, n + R) times MM rows of x, MM * R accumulators (of 32 registers). With pf, the
  * next block's weight rows are prefetched into L2 while this one computes: without it the hardware prefetcher
  * falls behind once the arithmetic per weight row grows, and a product over 8 rows took twice the time of one. */
 #define BLOCK(MM, R)                                                                                         \
@@ -57,12 +57,10 @@ int redrafter_gemm_version(void) { return 3; }
         for (int m = 0; m < MM; m++)                                                                         \
             for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = _mm512_reduce_add_ps(acc[m][r]);       \
     }
-BLOCK(1, 12) BLOCK(2, 10) BLOCK(3, 8) BLOCK(4, 6) BLOCK(5, 5) BLOCK(6, 4) BLOCK(7, 3) BLOCK(8, 3)
-BLOCK(4, 5) BLOCK(5, 4) BLOCK(6, 3)
-BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
+BLOCK(1, 12) BLOCK(2, 10) BLOCK(3, 8) BLOCK(3, 6) BLOCK(4, 6) BLOCK(4, 5) BLOCK(5, 5) BLOCK(5, 4) BLOCK(6, 4)
+BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1)
 
-/* M rows of x as one chunk (M <= 8) or two (S0 + S1 = M, each <= 8) sharing every block of R weight rows: the
- * weights come from memory once whatever M is, the second chunk reads the block from L1. */
+/* M <= 6 rows of x: one chunk, blocks of R weight rows (M * R accumulators). */
 #define ROWS1(M, R)                                                                                          \
     __attribute__((target("avx512f"))) static void k_##M(const float *x, const float *w, float *y, int K,   \
                                                          int ldy, int n0, int n1) {                         \
@@ -70,27 +68,49 @@ BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7,
         for (; n + R <= n1; n += R) b_##M##_##R(x, w, y, K, ldy, n, 1);                                      \
         for (; n < n1; n++) b_##M##_1(x, w, y, K, ldy, n, 0);                                                \
     }
-#define ROWS2(M, R, S0, S1)                                                                                  \
-    __attribute__((target("avx512f"))) static void k_##M(const float *x, const float *w, float *y, int K,   \
-                                                         int ldy, int n0, int n1) {                         \
-        const float *x1 = x + (size_t)S0 * K;                                                                \
-        float *y1 = y + (size_t)S0 * ldy;                                                                    \
+ROWS1(1, 12) ROWS1(2, 10) ROWS1(3, 8) ROWS1(4, 6) ROWS1(5, 5) ROWS1(6, 4)
+
+/* More rows: `chunks` chunks, the first `big` of S rows and the rest of S - 1, that share every block of R weight
+ * rows: the weights come from memory once whatever M is, the later chunks read the block from L1. Chunks of 7 or
+ * 8 rows (R = 3) measured up to 1.8x slower per row in a model's forward than chunks of 4-6, so there are none. */
+#define CHUNKS(S, T, R)                                                                                      \
+    __attribute__((target("avx512f"))) static void c_##S(const float *x, const float *w, float *y, int K,   \
+                                                         int ldy, int n0, int n1, int chunks, int big) {    \
         int n = n0;                                                                                          \
-        for (; n + R <= n1; n += R) {                                                                        \
-            b_##S0##_##R(x, w, y, K, ldy, n, 1);                                                             \
-            b_##S1##_##R(x1, w, y1, K, ldy, n, 0);                                                           \
-        }                                                                                                    \
-        for (; n < n1; n++) {                                                                                \
-            b_##S0##_1(x, w, y, K, ldy, n, 0);                                                               \
-            b_##S1##_1(x1, w, y1, K, ldy, n, 0);                                                             \
-        }                                                                                                    \
+        for (; n + R <= n1; n += R)                                                                          \
+            for (int c = 0, m = 0; c < chunks; c++) {                                                        \
+                if (c < big)                                                                                 \
+                    b_##S##_##R(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, c == 0), m += S;       \
+                else                                                                                         \
+                    b_##T##_##R(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, c == 0), m += T;       \
+            }                                                                                                \
+        for (; n < n1; n++)                                                                                  \
+            for (int c = 0, m = 0; c < chunks; c++) {                                                        \
+                if (c < big)                                                                                 \
+                    b_##S##_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0), m += S;              \
+                else                                                                                         \
+                    b_##T##_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0), m += T;              \
+            }                                                                                                \
     }
-ROWS1(1, 12) ROWS1(2, 10) ROWS1(3, 8) ROWS1(4, 6) ROWS1(5, 5) ROWS1(6, 4) ROWS1(7, 3) ROWS1(8, 3)
-ROWS2(9, 5, 5, 4) ROWS2(10, 5, 5, 5) ROWS2(11, 4, 6, 5) ROWS2(12, 4, 6, 6)
-ROWS2(13, 3, 7, 6) ROWS2(14, 3, 7, 7) ROWS2(15, 3, 8, 7) ROWS2(16, 3, 8, 8)
+CHUNKS(4, 3, 6) CHUNKS(5, 4, 5) CHUNKS(6, 5, 4)
+
+enum { CHUNK_ROWS = 6, MAX_ROWS_AVX512 = 32 };
 typedef void (*kernel_fn)(const float *, const float *, float *, int, int, int, int);
-static const kernel_fn avx512_kernels[17] = {0,    k_1,  k_2,  k_3,  k_4,  k_5,  k_6,  k_7, k_8,
-                                             k_9,  k_10, k_11, k_12, k_13, k_14, k_15, k_16};
+static const kernel_fn avx512_kernels[CHUNK_ROWS + 1] = {0, k_1, k_2, k_3, k_4, k_5, k_6};
+
+/* y (M, ldy) [n0, n1) = x (M, K) w[n0:n1]^T for M <= MAX_ROWS_AVX512: ceil(M / 6) chunks of nearly equal size. */
+__attribute__((target("avx512f"))) static void rows512(const float *x, const float *w, float *y, int M, int K,
+                                                       int ldy, int n0, int n1) {
+    if (M <= CHUNK_ROWS) {
+        avx512_kernels[M](x, w, y, K, ldy, n0, n1);
+        return;
+    }
+    int chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS, small = M / chunks, extra = M % chunks;
+    int S = small + (extra > 0), big = extra > 0 ? extra : chunks;
+    if (S == 4) c_4(x, w, y, K, ldy, n0, n1, chunks, big);
+    else if (S == 5) c_5(x, w, y, K, ldy, n0, n1, chunks, big);
+    else c_6(x, w, y, K, ldy, n0, n1, chunks, big);
+}
 
 /* The same kernels on 8-lane AVX2 + FMA registers (16 of them: at most 8 accumulators). */
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
@@ -150,8 +170,8 @@ static int has_avx512(void) {
 
 /* y (M, ldy) [n0, n1) = x (M, K) w[n0:n1]^T; every element summed in the same order whatever M is. */
 static void rows(const float *x, const float *w, float *y, int M, int K, int ldy, int n0, int n1) {
-    if (has_avx512()) { /* M <= 16 (cblas_sgemm's guard) */
-        avx512_kernels[M](x, w, y, K, ldy, n0, n1);
+    if (has_avx512()) { /* M <= MAX_ROWS_AVX512 (cblas_sgemm's guard) */
+        rows512(x, w, y, M, K, ldy, n0, n1);
         return;
     }
     for (int m = 0; m < M; m += 8) /* one pass over the weights per 8 rows of x */
@@ -179,7 +199,8 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
                  const float *B, int ldb, float beta, float *C, int ldc) {
 #if defined(__x86_64__)
     if (enabled && layout == RowMajor && ta == NoTrans && tb == Trans && alpha == 1.0f && beta == 0.0f && M >= 1 &&
-        M <= 16 && K % 16 == 0 && lda == K && ldb == K && (long)N * K >= 65536 && usable()) {
+        M <= (has_avx512() ? MAX_ROWS_AVX512 : 16) && K % 16 == 0 && lda == K && ldb == K && (long)N * K >= 65536 &&
+        usable()) {
         fast_calls++;
         int T = n_threads;
         if (T <= 1 || (long)N * K < 262144) {
