@@ -58,3 +58,22 @@ def test_a_busy_process_is_not_waited_out(spinner):
     watch.start()
     assert watch.before["settled_s"] < 5
     assert spinner.pid in [p["pid"] for p in watch.before["busy"]]
+
+
+def test_what_makes_a_recorded_state_busy():
+    """With /proc, other processes' CPU use is judged and the load average only recorded (it counts runnable
+    threads, our own beyond the cores included, and lags a finished run); without /proc the load average is judged."""
+    from mlx_redrafter.system.machine_state import busy_reasons
+
+    def state(**during):
+        quiet = {"loadavg": [2.6, 2.3, 2.4], "own_cores": 1.9, "busy": [], "others_cpu_percent": 3.0}
+        return {"cores": 2, "before": dict(quiet), "during": {"busy": [], "others_cpu_percent": 3.0, **during},
+                "after": dict(quiet)}
+
+    assert busy_reasons(state()) == []
+    reasons = busy_reasons(state(others_cpu_percent=75.0))
+    assert len(reasons) == 1 and "other processes together used 75% of a core during the run" in reasons[0]
+    no_proc = {"cores": 2, "before": {"loadavg": [2.6], "own_cores": 1.9, "busy": None}, "during": {"busy": None},
+               "after": {"loadavg": [1.0], "own_cores": 0.9, "busy": None}}
+    reasons = busy_reasons(no_proc)
+    assert len(reasons) == 1 and reasons[0].startswith("1-minute load average 2.60 before the run")

@@ -3,9 +3,12 @@
 A measurement taken while something else uses the CPU measures that other thing. `MachineWatch` records the
 load averages and every other process using more than BUSY_CPU_PERCENT of a core (from /proc: pid, name,
 nice, command line) before and after a measurement, and other processes' CPU use during it. The state is
-`quiet` only when no other process was busy and the 1-minute load average holds no more than
-EXCESS_LOAD_PER_CORE per core beyond what this process accounts for. Without /proc (macOS) only the load
-average is checked.
+`quiet` only when no other process was busy and all other processes together used no more than
+EXCESS_LOAD_PER_CORE of each core. Without /proc (macOS) the 1-minute load average stands in for the second: it may
+hold no more than EXCESS_LOAD_PER_CORE per core beyond what this process accounts for. Where /proc exists the load
+average is recorded but not judged: it counts runnable threads, not CPU used (a process with more threads than
+cores, as MLX's stream thread beside two BLAS threads, raises it beyond its own use), and it lags a finished run by
+about a minute.
 """
 
 from __future__ import annotations
@@ -53,15 +56,19 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _busy(t0: dict, t1: dict, seconds: float) -> list[dict[str, Any]]:
-    """Processes (other than this one) that used more than BUSY_CPU_PERCENT of a core between two samples."""
-    me, hz, out = os.getpid(), _clock_ticks(), []
+def _others(t0: dict, t1: dict, seconds: float) -> dict[str, Any]:
+    """What processes other than this one used between two samples: `busy`, those above BUSY_CPU_PERCENT of a core,
+    and `others_cpu_percent`, all of them together (percent of one core)."""
+    me, hz, out, total = os.getpid(), _clock_ticks(), [], 0.0
     for pid, (name, nice, ticks) in t1.items():
+        if pid == me:
+            continue
         pct = 100.0 * (ticks - t0.get(pid, (name, nice, 0))[2]) / hz / max(seconds, 1e-3)
-        if pid != me and pct > BUSY_CPU_PERCENT:
+        total += pct
+        if pct > BUSY_CPU_PERCENT:
             out.append({"pid": pid, "name": name, "nice": nice, "cpu_percent": round(pct, 1),
                         "cmd": _cmdline(pid)})
-    return sorted(out, key=lambda p: -p["cpu_percent"])
+    return {"busy": sorted(out, key=lambda p: -p["cpu_percent"]), "others_cpu_percent": round(total, 1)}
 
 
 def loadavg() -> list[float]:
@@ -88,8 +95,8 @@ def snapshot(interval: float = 1.0) -> dict[str, Any]:
     t0 = _proc_times()
     time.sleep(interval)
     t1 = _proc_times()
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg": loadavg(),
-            "busy": _busy(t0, t1, interval) if t0 is not None else None}
+    others = _others(t0, t1, interval) if t0 is not None and t1 is not None else {"busy": None}
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg": loadavg(), **others}
 
 
 def settle_seconds() -> float:
@@ -110,9 +117,9 @@ class MachineWatch:
         self.settle = settle_seconds() if settle is None else settle
 
     def start(self) -> None:
-        """Take the 'before' sample; the measurement starts now. When the only sign of load is a load average
-        left by work that has finished (no other process busy now), wait up to `settle` seconds for it to decay
-        (the 1-minute average lags by about a minute), so that back-to-back runs do not flag each other."""
+        """Take the 'before' sample; the measurement starts now. Without /proc, when the only sign of load is a
+        load average (perhaps left by work that has finished), wait up to `settle` seconds for it to decay (the
+        1-minute average lags by about a minute), so that back-to-back runs do not flag each other."""
         waited, t_start = 0.0, time.perf_counter()
         while True:
             self.before = snapshot(self.interval)
@@ -131,7 +138,8 @@ class MachineWatch:
         own = (time.process_time() - self.cpu0) / max(seconds, 1e-3)
         ticks = _proc_times()
         during = {"seconds": round(seconds, 1), "own_cores": round(own, 2),
-                  "busy": _busy(self.ticks0, ticks, seconds) if ticks is not None else None}
+                  **(_others(self.ticks0, ticks, seconds) if self.ticks0 is not None and ticks is not None
+                     else {"busy": None})}
         after = snapshot(self.interval)
         after["own_cores"] = round(own, 2)
         state = {"cores": self.cores, "before": self.before, "during": during, "after": after,
@@ -153,7 +161,11 @@ def busy_reasons(state: dict[str, Any]) -> list[str]:
             rec = procs.setdefault(p["pid"], {**p, "when": []})
             rec["when"].append(when)
             rec["cpu_percent"] = max(rec["cpu_percent"], p["cpu_percent"])
-        if s.get("loadavg") and "own_cores" in s:
+        if s.get("others_cpu_percent") is not None:
+            if s["others_cpu_percent"] > 100 * EXCESS_LOAD_PER_CORE * state["cores"]:
+                load.append(f"other processes together used {s['others_cpu_percent']:.0f}% of a core {when} the "
+                            f"run ({state['cores']} cores)")
+        elif s.get("busy") is None and s.get("loadavg") and "own_cores" in s:  # no /proc: the load average
             excess = s["loadavg"][0] - s["own_cores"]
             if excess > EXCESS_LOAD_PER_CORE * state["cores"]:
                 load.append(f"1-minute load average {s['loadavg'][0]:.2f} {when} the run: {excess:.2f} more than "
