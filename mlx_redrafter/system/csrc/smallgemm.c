@@ -35,7 +35,7 @@ int redrafter_gemm_version(void) { return 4; }
 
 /* One block: R weight rows [n, n + R) times MM rows of x, MM * R accumulators (of 32 registers). With pf, the
  * next block's weight rows are prefetched into L2 while this one computes: without it the hardware prefetcher
- * falls behind once the arithmetic per weight row grows, and a product over 8 rows took twice the time of one. */
+ * falls behind once the arithmetic per weight row grows, and a product over 8 rows takes twice the time of one. */
 #define BLOCK(MM, R)                                                                                         \
     __attribute__((target("avx512f"))) static inline void b_##MM##_##R(const float *x, const float *w,      \
                                                                        float *y, int K, int ldy, int n,     \
