@@ -56,9 +56,11 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _others(t0: dict, t1: dict, seconds: float) -> dict[str, Any]:
+def _others(t0: dict | None, t1: dict | None, seconds: float) -> dict[str, Any]:
     """What processes other than this one used between two samples: `busy`, those above BUSY_CPU_PERCENT of a core,
-    and `others_cpu_percent`, all of them together (percent of one core)."""
+    and `others_cpu_percent`, all of them together (percent of one core). Without /proc: {"busy": None}."""
+    if t0 is None or t1 is None:
+        return {"busy": None}
     me, hz, out, total = os.getpid(), _clock_ticks(), [], 0.0
     for pid, (name, nice, ticks) in t1.items():
         if pid == me:
@@ -95,8 +97,7 @@ def snapshot(interval: float = 1.0) -> dict[str, Any]:
     t0 = _proc_times()
     time.sleep(interval)
     t1 = _proc_times()
-    others = _others(t0, t1, interval) if t0 is not None and t1 is not None else {"busy": None}
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg": loadavg(), **others}
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg": loadavg(), **_others(t0, t1, interval)}
 
 
 def settle_seconds() -> float:
@@ -126,7 +127,7 @@ class MachineWatch:
             self.before["own_cores"] = round(_own_cores_so_far(), 2)
             reasons = busy_reasons({"cores": self.cores, "before": self.before, "during": {}, "after": {}})
             waited = time.perf_counter() - t_start
-            if not reasons or self.before.get("busy") or waited >= self.settle:
+            if not reasons or self.before.get("busy") is not None or waited >= self.settle:  # /proc: no lag
                 break
             time.sleep(5.0)
         self.before["settled_s"] = round(waited, 1)
@@ -138,8 +139,7 @@ class MachineWatch:
         own = (time.process_time() - self.cpu0) / max(seconds, 1e-3)
         ticks = _proc_times()
         during = {"seconds": round(seconds, 1), "own_cores": round(own, 2),
-                  **(_others(self.ticks0, ticks, seconds) if self.ticks0 is not None and ticks is not None
-                     else {"busy": None})}
+                  **_others(self.ticks0, ticks, seconds)}
         after = snapshot(self.interval)
         after["own_cores"] = round(own, 2)
         state = {"cores": self.cores, "before": self.before, "during": during, "after": after,
