@@ -151,7 +151,8 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
             corpus.write_shard(job.name, data, {
                 "turn": job.turn, "split": job.split, "sequences": len(made.seqs), "response_tokens": resp,
                 "plan_rows": [job.rows[0], job.rows[-1]] if job.rows else [], "parents": job.parents,
-                **made.info, "seconds": round(seconds, 1), "new_tokens_per_s": round(resp / max(seconds, 1e-9), 1),
+                "seconds": round(seconds, 1), "new_tokens_per_s": round(resp / max(seconds, 1e-9), 1),
+                **made.info,  # a source that made the sequences elsewhere says what they cost there
             })
             partial_path(corpus, job.name).unlink(missing_ok=True)
             log(f"{job.name}: {source.kind} turn {job.turn} {job.split}, {len(made.seqs)} sequences, {resp} response "

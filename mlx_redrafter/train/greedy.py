@@ -194,8 +194,7 @@ class GreedySource:
             if all(i in responses for i in part):  # made before an interruption
                 progress(len(part), 0)
                 continue
-            outs, hid = generate_greedy(self.target.model, [prompts[i] for i in part], s.max_new_tokens,
-                                        tok.eos_ids, capture=self.capture)
+            outs, hid = self.answer([prompts[i] for i in part])
             for k, (i, o) in enumerate(zip(part, outs)):
                 responses[i] = o
                 if hid is not None:
@@ -210,6 +209,11 @@ class GreedySource:
             index=index, turns=job.turn, hidden=[hiddens[i] for i in range(len(prompts))] if self.capture else None,
             info={"skipped_prompts": len(job.rows) - len(keep), "sources": dict(sorted(sources.items())),
                   "eos_stops": sum(1 for r in responses.values() if r and r[-1] in tok.eos_ids)})
+
+    def answer(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray] | None]:
+        """Greedy responses to a batch of prompts (and their hidden states when capturing)."""
+        return generate_greedy(self.target.model, prompts, self.settings.max_new_tokens, self.target.tokenizer.eos_ids,
+                               capture=self.capture)
 
     def _turn2_prompts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[list[int] | None]:
         """Turn-2 prompts: the turn-1 sequence of each picked row + a follow-up; None where the first answer did

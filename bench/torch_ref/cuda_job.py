@@ -1,0 +1,721 @@
+"""Self-distillation and drafter training on a CUDA machine, in PyTorch: what this project's CPU cannot reach.
+
+Three steps; only `run` needs a GPU, and it imports neither MLX nor `mlx_redrafter` (torch, transformers, gguf,
+numpy and safetensors only):
+
+    python -m bench.torch_ref.cuda_job prepare --job .gpu        here: prompts still missing from the greedy corpus,
+                                                                  the turn-2 recipe, parity prompts, the GGUF in parts
+    python3 -m bench.torch_ref.cuda_job run --job .gpu --out DIR --budget-s 450      there (CUDA)
+    python -m bench.torch_ref.cuda_job land DIR                  here: shards through the corpus' own code (manifest
+                                                                  entries say which engine made them), drafters as
+                                                                  MLX drafter folders under runs/cuda/
+
+`run` does, within its time budget: (1) CUDA parity: greedy ids and top-5 logits of the MT-bench prompts, for
+comparison with MLX here; (2) the target's greedy answers (float32, TF32 off) to every missing turn-1 prompt of the
+plan, then to its turn-2 prompts (each a finished turn-1 sequence + a follow-up), in left-padded batches that drop
+finished rows, as `train/greedy.py` does; (3) one teacher-forced float32 pass over every train and held-out
+sequence (hidden states at context positions + the target's top-8 labels, as `train/features.py` does); (4) two
+warm-started drafters trained side by side on the same batches until the budget ends, one on hard labels (the
+target's top-1) and one on soft labels (its top-8, renormalized within the head), with held-out top-1 accuracy
+per draft step before and after (the same measure as `train/loop.py`'s `evaluate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GGUF_PARTS = 5  # the GGUF travels in parts: one call's working tree is limited (64 MiB)
+TOP_K = 8  # labels kept per context position (train/features.py)
+EVAL_POSITIONS = 4096  # held-out context positions evaluated (train/loop.py)
+ENGINE = ("PyTorch CUDA float32 (transformers LlamaForCausalLM from the same GGUF, TF32 off), "
+          "bench/torch_ref/cuda_job.py")
+
+
+# ----------------------------------------------------------------------------------------------------------- here
+def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int = 16) -> None:
+    """Write the job spec (`job.json`, `job.npz`) and the target's GGUF in parts into `job_dir`."""
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.prompts import first_turns
+    from mlx_redrafter.train.corpus import Corpus
+    from mlx_redrafter.train.greedy import GreedySource, follow_up_suffix
+    from mlx_redrafter.train.plan import FOLLOW_UPS, hash_unit
+
+    target = load_target(None)
+    tok = target.tokenizer
+    src = GreedySource(target, prompts_file)
+    s = src.settings
+    corpus = Corpus(corpus_dir, target.model.args.vocab_size)
+    todo = [j for j in src.jobs() if corpus.check(j.name) is not None]
+    t1_job, t1_row, t1_ids, t2_job, t2_row, t2_follow, t2_fixed = [], [], [], [], [], [], []
+    done_parents = set()
+    for job in todo:
+        if job.turn == 1:
+            for r in job.rows:
+                ids = tok.encode_chat([{"role": "user", "content": src.rows[src.order[r]]["prompt"]}])
+                if 0 < len(ids) <= s.max_prompt_tokens:
+                    t1_job.append(job.index)
+                    t1_row.append(r)
+                    t1_ids.append(ids)
+        else:
+            if all(corpus.check(f"shard-{p:05d}.npz") is None for p in job.parents):
+                done_parents.add(job.index)
+            for r in job.rows:
+                t2_job.append(job.index)
+                t2_row.append(r)
+                t2_follow.append(int(hash_unit(f"follow:{s.seed}:{r}") * len(FOLLOW_UPS)))
+    # turn-2 rows whose turn-1 sequence is already in the corpus get their prompts here (the rest on the GPU)
+    src._follow_ids = [follow_up_suffix(target, t) for t in FOLLOW_UPS]
+    for job in todo:
+        if job.turn == 2 and job.index in done_parents:
+            for r, ids in zip(job.rows, src._turn2_prompts(corpus, job, set(tok.eos_ids))):
+                t2_fixed.append((r, ids if ids is not None else []))
+    fixed = dict(t2_fixed)
+    parity = [tok.encode_chat([{"role": "user", "content": row["prompt"]}])
+              for row in first_turns(None, num_parity, spread=True)]
+    job_dir.mkdir(parents=True, exist_ok=True)
+
+    def flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        return (np.concatenate([np.zeros(0, np.int32)] + [np.asarray(x, np.int32) for x in seqs]),
+                np.cumsum([0] + [len(x) for x in seqs]).astype(np.int64))
+
+    t1_tok, t1_off = flat(t1_ids)
+    fix_tok, fix_off = flat([fixed.get(r, []) for r in t2_row])
+    fol_tok, fol_off = flat(src._follow_ids)
+    par_tok, par_off = flat(parity)
+    np.savez(job_dir / "job.npz", t1_job=np.asarray(t1_job, np.int64), t2_job=np.asarray(t2_job, np.int64),
+             t1_row=np.asarray(t1_row, np.int64), t1_tok=t1_tok, t1_off=t1_off,
+             t2_row=np.asarray(t2_row, np.int64), t2_follow=np.asarray(t2_follow, np.int64),
+             t2_has_fixed=np.asarray([r in fixed for r in t2_row]), t2_fixed_tok=fix_tok, t2_fixed_off=fix_off,
+             follow_tok=fol_tok, follow_off=fol_off, parity_tok=par_tok, parity_off=par_off)
+    gguf = Path(target.path)
+    data = gguf.read_bytes()
+    cut = [len(data) * k // GGUF_PARTS for k in range(GGUF_PARTS + 1)]
+    for k in range(GGUF_PARTS):
+        (job_dir / f"gguf.{k}").write_bytes(data[cut[k]:cut[k + 1]])
+    import hashlib
+
+    spec = {"gguf_name": gguf.name, "gguf_sha256": hashlib.sha256(data).hexdigest(), "eos_ids": tok.eos_ids,
+            "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
+            "corpus": str(corpus_dir), "jobs": [j.name for j in todo], "turn1_prompts": len(t1_row),
+            "turn2_rows": len(t2_row), "turn2_fixed": len(fixed), "parity_prompts": len(parity),
+            "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m"}
+    (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
+    print(f"{job_dir}: {len(todo)} shards to make: {len(t1_row)} turn-1 prompts, {len(t2_row)} turn-2 rows "
+          f"({len(fixed)} with their turn-1 sequence here); GGUF in {GGUF_PARTS} parts")
+
+
+# ---------------------------------------------------------------------------------------------------------- there
+def _log(msg: str, t0: float) -> None:
+    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+
+def load_model(job_dir: Path, spec: dict, device: str) -> Any:
+    """The target (float32) from the GGUF parts, via transformers' GGUF loader."""
+    import hashlib
+    import tempfile
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    data = b"".join((job_dir / f"gguf.{k}").read_bytes() for k in range(GGUF_PARTS))
+    if hashlib.sha256(data).hexdigest() != spec["gguf_sha256"]:
+        raise SystemExit("error: the GGUF parts do not add up to the prepared file: run prepare again")
+    folder = Path(tempfile.mkdtemp(prefix="cuda-job-"))
+    (folder / spec["gguf_name"]).write_bytes(data)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=spec["gguf_name"], dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def _select_cache(cache: Any, idx: Any) -> None:
+    """Keep the batch rows `idx` of a transformers cache."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[idx]
+        layer.values = layer.values[idx]
+
+
+def greedy(model: Any, prompts: list[list[int]], max_new: int, eos_ids: list[int], device: str,
+           compact_below: float = 0.75, top5: bool = False) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy responses to a batch of prompts (left-padded with eos, finished rows dropped), each ending with an eos
+    id where the model stopped by itself; with `top5`, the top-5 logits (values, ids) at every decided token."""
+    import torch
+    from transformers import DynamicCache
+
+    B = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    n = int(lens.max())
+    tok = torch.full((B, n), eos_ids[0], dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tok[b, n - len(p):] = torch.tensor(p, device=device)
+    pad = n - lens
+    am = (torch.arange(n, device=device)[None, :] >= pad[:, None]).long()
+    pos = (torch.arange(n, device=device)[None, :] - pad[:, None]).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    eos = torch.tensor(eos_ids, device=device)
+    out = torch.full((B, max_new), -1, dtype=torch.long, device=device)
+    steps_top: list[tuple[Any, Any, Any]] = []
+    rows = torch.arange(B, device=device)
+    nxt_pos = lens.clone()
+    with torch.no_grad():
+        logits = model(input_ids=tok, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+        for step in range(max_new):
+            nxt = logits.argmax(-1)
+            if top5:
+                v, i = logits.float().topk(5, dim=-1)
+                steps_top.append((rows, v, i))
+            out[rows, step] = nxt
+            live = ~torch.isin(nxt, eos)
+            if step + 1 == max_new or not bool(live.any()):
+                break
+            if int(live.sum()) < compact_below * len(rows):
+                keep = live.nonzero()[:, 0]
+                _select_cache(cache, keep)
+                rows, nxt, am, nxt_pos = rows[keep], nxt[keep], am[keep], nxt_pos[keep]
+            am = torch.cat([am, torch.ones_like(am[:, :1])], dim=1)
+            logits = model(input_ids=nxt[:, None], attention_mask=am, position_ids=nxt_pos[:, None],
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            nxt_pos = nxt_pos + 1
+    res = []
+    eos_set = set(eos_ids)
+    for r in out.cpu().tolist():
+        resp = []
+        for t in r:
+            if t < 0:
+                break
+            resp.append(t)
+            if t in eos_set:
+                break
+        res.append(resp)
+    tops: list[list[np.ndarray]] = [[] for _ in range(B)]
+    for r, v, i in steps_top:
+        both = torch.cat([v, i.float()], dim=-1).cpu().numpy()
+        for k, row in enumerate(r.tolist()):
+            tops[row].append(both[k])
+    return res, [np.stack(t) if t else np.zeros((0, 10), np.float32) for t in tops]
+
+
+def _batches(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Indices grouped by similar length: at most max_rows rows and max_tokens padded tokens per batch."""
+    order = np.argsort(lengths, kind="stable")
+    out, cur, longest = [], [], 0
+    for i in order.tolist():
+        L = max(longest, lengths[i])
+        if cur and (len(cur) + 1 > max_rows or (len(cur) + 1) * L > max_tokens):
+            out.append(cur)
+            cur, L = [], lengths[i]
+        cur.append(i)
+        longest = L
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _groups(jobs: list[int], max_rows: int) -> list[list[int]]:
+    """Indices of consecutive shards' rows, whole shards together, up to max_rows rows per group."""
+    out: list[list[int]] = []
+    last = None
+    for i, j in enumerate(jobs):
+        if j != last and (not out or len(out[-1]) + jobs.count(j) > max_rows):
+            out.append([])
+        out[-1].append(i)
+        last = j
+    return out
+
+
+def generate_all(model: Any, job: dict, spec: dict, device: str, deadline: float, t0: float,
+                 max_rows: int, save: Any) -> tuple[dict[tuple[int, int], tuple[list[int], list[int]]], list[int]]:
+    """(prompt, greedy response) keyed by (turn, plan row), and the shards all of whose prompts were answered: turn
+    1 first, then turn 2 (whose prompts need turn 1), a few whole shards at a time."""
+    eos_ids, max_new, max_prompt = spec["eos_ids"], spec["max_new_tokens"], spec["max_prompt_tokens"]
+    t1 = [job["t1_tok"][a:b].tolist() for a, b in zip(job["t1_off"][:-1], job["t1_off"][1:])]
+    got: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    done: list[int] = []
+    tokens = 0
+    last_save = time.perf_counter()
+
+    def run(turn: int, jobs: list[int], rows: list[int], prompts: list[list[int]]) -> bool:
+        nonlocal tokens, last_save
+        for group in _groups(jobs, max_rows):
+            for sub in _batches([len(prompts[i]) for i in group], max_rows, max_rows * max_prompt):
+                if time.perf_counter() > deadline:
+                    _log(f"generation deadline: stopping with {len(got)} responses", t0)
+                    return False
+                part = [group[i] for i in sub]
+                tb = time.perf_counter()
+                outs, _ = greedy(model, [prompts[i] for i in part], max_new, eos_ids, device)
+                for i, o in zip(part, outs):
+                    got[(turn, rows[i])] = (prompts[i], o)
+                new = sum(len(o) for o in outs)
+                tokens += new
+                _log(f"turn {turn}: {len(part)} prompts (<= {max(len(prompts[i]) for i in part)} tokens), {new} new "
+                     f"tokens in {time.perf_counter() - tb:.1f} s; {len(got)} responses, {tokens} tokens", t0)
+            done.extend(sorted(set(jobs[i] for i in group)))
+            if time.perf_counter() - last_save > 60:
+                save(got, done)
+                last_save = time.perf_counter()
+        return True
+
+    if not run(1, job["t1_job"].tolist(), job["t1_row"].tolist(), t1):
+        return got, done
+    prompt_of = dict(zip(job["t1_row"].tolist(), t1))
+    follow = [job["follow_tok"][a:b].tolist() for a, b in zip(job["follow_off"][:-1], job["follow_off"][1:])]
+    fixed = [job["t2_fixed_tok"][a:b].tolist() for a, b in zip(job["t2_fixed_off"][:-1], job["t2_fixed_off"][1:])]
+    eos = set(eos_ids)
+    jobs2, rows2, prompts2 = [], [], []
+    for k, r in enumerate(job["t2_row"].tolist()):
+        if job["t2_has_fixed"][k]:
+            p = fixed[k]
+        else:  # the turn-1 sequence (prompt + answer ending with eos) + the follow-up: train/greedy.py
+            first = got.get((1, r), ([], []))[1]
+            p = prompt_of[r] + first + follow[int(job["t2_follow"][k])] if first and first[-1] in eos else []
+        if 0 < len(p) <= max_prompt:
+            jobs2.append(int(job["t2_job"][k]))
+            rows2.append(r)
+            prompts2.append(p)
+    run(2, jobs2, rows2, prompts2)
+    return got, done
+
+
+def _flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([t for x in seqs for t in x], np.uint16), np.cumsum([0] + [len(x) for x in seqs]).astype(np.int64))
+
+
+def _save_sequences(out: Path, got: dict[tuple[int, int], tuple[list[int], list[int]]], done: list[int]) -> None:
+    """sequences-1.npz and sequences-2.npz (one per turn: each stays well under the 16 MB a returned file may have)."""
+    for turn in (1, 2):
+        keys = sorted(k for k in got if k[0] == turn)
+        p_tok, p_off = _flat([got[k][0] for k in keys])
+        r_tok, r_off = _flat([got[k][1] for k in keys])
+        path = out / f"sequences-{turn}.npz"
+        tmp = out / f".sequences-{turn}.tmp.npz"
+        np.savez_compressed(tmp, row=np.array([k[1] for k in keys], np.int64), prompt_tok=p_tok, prompt_off=p_off,
+                            resp_tok=r_tok, resp_off=r_off, done=np.array(sorted(done), np.int64))
+        tmp.replace(path)
+
+
+def load_sequences(result_dir: Path) -> tuple[dict[tuple[int, int], tuple[list[int], list[int]]], set[int]]:
+    """What `_save_sequences` wrote: (prompt, response) by (turn, row), and the finished shards."""
+    got, done = {}, set()
+    for turn in (1, 2):
+        with np.load(result_dir / f"sequences-{turn}.npz") as z:
+            pt, po, rt, ro = (z[k].astype(np.int64) for k in ("prompt_tok", "prompt_off", "resp_tok", "resp_off"))
+            got.update({(turn, int(r)): (pt[po[k]:po[k + 1]].tolist(), rt[ro[k]:ro[k + 1]].tolist())
+                        for k, r in enumerate(z["row"])})
+            done |= set(z["done"].tolist())
+    return got, done
+
+
+def corpus_sequences(corpus_dir: Path, limit: int | None = None) -> dict[str, list[tuple[np.ndarray, int]]]:
+    """(tokens, prompt_len) of every sequence of the corpus' shards, by split (numpy only); `limit` (a dry run)
+    takes that many sequences of that many shards of each split."""
+    manifest = json.loads((corpus_dir / "manifest.json").read_text())
+    out: dict[str, list[tuple[np.ndarray, int]]] = {"train": [], "heldout": []}
+    for name, entry in sorted(manifest["shards"].items()):
+        path = corpus_dir / name
+        if not path.exists() or (limit and len(out[entry["split"]]) >= limit * limit):
+            continue
+        with np.load(path) as z:
+            tok, off, pl = z["tokens"].astype(np.int64), z["offsets"], z["prompt_len"]
+        seqs = [(tok[off[i]:off[i + 1]], int(pl[i])) for i in range(len(pl))]
+        out[entry["split"]] += seqs[:limit] if limit else seqs
+    return out
+
+
+class Features:
+    """Context positions of a set of sequences: hidden states h_p (float16), the target's top-8 at p (labels for
+    the step that ends at p), x_p's index into `tokens` and one past the end of p's sequence (all on the GPU)."""
+
+    def __init__(self, model: Any, seqs: list[tuple[np.ndarray, int]], device: str, max_tokens: int = 65536):
+        import torch
+
+        lens = [len(s) for s, _ in seqs]
+        starts = np.cumsum([0] + lens)
+        self.tokens = torch.tensor(np.concatenate([s for s, _ in seqs]), device=device)
+        ctx_counts = [len(s) - P for s, P in seqs]  # p = P-1 .. n-2
+        cstart = np.cumsum([0] + ctx_counts)
+        C = int(cstart[-1])
+        H = model.config.hidden_size
+        self.hidden = torch.empty((C, H), dtype=torch.float16, device=device)
+        self.top_ids = torch.empty((C, TOP_K), dtype=torch.int32, device=device)
+        self.top_logp = torch.empty((C, TOP_K), dtype=torch.float16, device=device)
+        self.tok_index = torch.empty(C, dtype=torch.long, device=device)
+        self.seq_end = torch.empty(C, dtype=torch.long, device=device)
+        with torch.no_grad():
+            for part in _batches(lens, 512, max_tokens):
+                n = max(lens[i] for i in part)
+                ids = torch.full((len(part), n), 0, dtype=torch.long, device=device)
+                am = torch.zeros((len(part), n), dtype=torch.long, device=device)
+                for b, i in enumerate(part):  # right padding: positions 0..n-1, causal attention never sees pads
+                    ids[b, : lens[i]] = self.tokens[starts[i]:starts[i] + lens[i]]
+                    am[b, : lens[i]] = 1
+                h = model.model(input_ids=ids, attention_mask=am).last_hidden_state  # post-norm
+                for b, i in enumerate(part):
+                    P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
+                    hp = h[b, P - 1 : lens[i] - 1]
+                    self.hidden[c0:c1] = hp.half()
+                    for r0 in range(0, len(hp), 8192):
+                        logits = model.lm_head(hp[r0 : r0 + 8192]).float()
+                        v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
+                        self.top_ids[c0 + r0 : c0 + r0 + len(k)] = k.int()
+                        self.top_logp[c0 + r0 : c0 + r0 + len(k)] = v.half()
+                    self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
+                                                         device=device)
+                    self.seq_end[c0:c1] = int(starts[i + 1])
+        self.sequences = len(seqs)
+        self.response_tokens = int(sum(ctx_counts))
+
+    def __len__(self) -> int:
+        return int(self.tok_index.shape[0])
+
+    def batch(self, idx: Any, T: int, lut: Any) -> dict[str, Any]:
+        """make_batch of train/data.py for context positions idx (on the GPU)."""
+        import torch
+
+        t0 = self.tok_index[idx]
+        steps = torch.arange(1, T + 1, device=idx.device)[None, :]
+        valid = t0[:, None] + steps < self.seq_end[idx][:, None] - 1
+        x = self.tokens[torch.clamp(t0[:, None] + steps, max=len(self.tokens) - 1)]
+        rows = torch.where(valid, idx[:, None] + steps, torch.zeros_like(steps))
+        head = lut[self.top_ids[rows, 0].long()]
+        w = valid & (head >= 0)
+        k_head = lut[self.top_ids[rows].long()]
+        p = torch.exp(self.top_logp[rows].float()) * (k_head >= 0) * valid[..., None]
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+        return {"h": self.hidden[idx].float(), "x": x, "target": head.clamp(min=0), "weight": w.float(),
+                "valid": valid.float(), "soft_index": k_head.clamp(min=0), "soft_prob": p}
+
+
+def teacher_forced_logits(drafter: Any, h: Any, emb: Any) -> Any:
+    """Head logits (B, T, K): the RNN unrolled from state 0 over the input embeddings, as beam search does."""
+    import torch
+
+    s = torch.zeros_like(h)
+    states = []
+    for j in range(emb.shape[1]):
+        s = drafter.next_state(s, emb[:, j])
+        states.append(s)
+    S = torch.stack(states, dim=1)
+    return drafter.logits(h[:, None, :].expand_as(S), S)
+
+
+def loss_of(logits: Any, b: dict[str, Any], soft: bool) -> Any:
+    """hard_loss / soft_loss of train/loss.py."""
+    import torch
+
+    logp = torch.log_softmax(logits, dim=-1)
+    if soft:
+        ce = -(b["soft_prob"] * logp.gather(-1, b["soft_index"])).sum(-1)
+        has = (b["soft_prob"].sum(-1) > 0).float()
+        return ce.sum() / has.sum().clamp(min=1.0)
+    ce = -logp.gather(-1, b["target"][..., None])[..., 0]
+    return (ce * b["weight"]).sum() / b["weight"].sum().clamp(min=1.0)
+
+
+def evaluate(drafter: Any, embed: Any, feats: Features, lut: Any, T: int) -> dict[str, Any]:
+    """Held-out loss and top-1 accuracy per draft step on EVAL_POSITIONS positions (tokens outside the head count
+    wrong), as train/loop.py's evaluate."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    idx = torch.randperm(len(feats), generator=g)[:EVAL_POSITIONS].sort().values.to(feats.hidden.device)
+    with torch.no_grad():
+        b = feats.batch(idx, T, lut)
+        logits = teacher_forced_logits(drafter, b["h"], embed(b["x"]))
+        hit = (logits.argmax(-1) == b["target"]).float() * b["weight"]
+        loss = loss_of(logits, b, soft=False)
+    acc = (hit.sum(0) / b["valid"].sum(0).clamp(min=1)).tolist()
+    return {"val_loss": round(float(loss), 4), "acc": [round(a, 4) for a in acc]}
+
+
+def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
+          t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("hard", "soft"),
+          init: Path | None = None) -> dict:
+    """Train one warm-started drafter per variant on the same batches until `deadline` (from `drafter_dir`'s
+    weights, or `init`'s); save each (fp16)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from bench.torch_ref.drafter import TorchDrafter
+
+    device = train_f.hidden.device
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    weights = load_file(str(init or drafter_dir / "model.safetensors"))
+    embed_w = model.model.embed_tokens.weight.detach().float()
+
+    def embed(x: Any) -> Any:
+        return embed_w[x]
+
+    models, opts = {}, {}
+    for v in variants:
+        d = TorchDrafter(cfg)
+        d.load_state_dict({k: (t.long() if k == "draft_vocab" else t.float()) for k, t in weights.items()},
+                          strict=True)
+        models[v] = d.to(device).train()
+        opts[v] = torch.optim.AdamW([p for p in d.parameters()], lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                    weight_decay=0.01)
+    lut = torch.full((cfg["vocab_size"],), -1, dtype=torch.long, device=device)
+    dv = models[variants[0]].draft_vocab
+    lut[dv] = torch.arange(len(dv), device=device)
+    report: dict[str, Any] = {"batch": batch, "lr": lr, "T": T, "init": str(init or drafter_dir),
+                              "train_contexts": len(train_f),
+                              "train_sequences": train_f.sequences, "heldout_contexts": len(held_f),
+                              "head_coverage": float((lut[train_f.top_ids[:, 0].long()] >= 0).float().mean()),
+                              "before": evaluate(models[variants[0]], embed, held_f, lut, T), "history": []}
+    _log(f"train: {len(train_f)} contexts ({train_f.sequences} sequences); before: {report['before']}", t0)
+    def save(v: str) -> None:
+        sd = {k: (t.int() if k == "draft_vocab" else t.half()).contiguous().cpu()
+              for k, t in models[v].state_dict().items()}
+        save_file(sd, str(out / f".drafter_{v}.safetensors"))
+        (out / f".drafter_{v}.safetensors").replace(out / f"drafter_{v}.safetensors")
+
+    warmup, total, step, losses = 100, None, 0, {v: [] for v in variants}
+    ts = time.perf_counter()
+    gen = torch.Generator(device=device).manual_seed(0)
+    while True:
+        now = time.perf_counter()
+        if total is None and step == 200:  # the schedule's length from the measured step time
+            per = (now - ts) / step
+            total = step + max(int((deadline - now) / per), 1)
+            _log(f"train: {per * 1000:.1f} ms/step -> {total} steps", t0)
+        if (total is not None and step >= total) or now > deadline:
+            break
+        if step < warmup:
+            f = 0.01 + 0.99 * step / warmup
+        elif total is None:
+            f = 1.0
+        else:
+            c = min((step - warmup) / max(total - warmup, 1), 1.0)
+            f = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * c))
+        idx = torch.randint(0, len(train_f), (batch,), device=device, generator=gen).sort().values
+        b = train_f.batch(idx, T, lut)
+        emb = embed(b["x"])
+        for v in variants:
+            for group in opts[v].param_groups:
+                group["lr"] = lr * f
+            logits = teacher_forced_logits(models[v], b["h"], emb)
+            loss = loss_of(logits, b, soft=(v == "soft"))
+            opts[v].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(models[v].parameters(), 1.0)
+            opts[v].step()
+            losses[v].append(loss.detach())
+        step += 1
+        if step % 2000 == 0:
+            rec = {"step": step, "positions_seen": step * batch, "elapsed_s": round(time.perf_counter() - ts, 1)}
+            for v in variants:
+                models[v].eval()
+                rec[v] = {"train_loss": round(float(torch.stack(losses[v][-2000:]).mean()), 4),
+                          **evaluate(models[v], embed, held_f, lut, T)}
+                models[v].train()
+            report["history"].append(rec)
+            _log(f"train: {json.dumps(rec)}", t0)
+            for v in variants:  # kept as they go: a run cut short still returns its drafters
+                save(v)
+    report["steps"] = step
+    report["positions_seen"] = step * batch
+    report["epochs"] = round(step * batch / max(len(train_f), 1), 3)
+    report["train_s"] = round(time.perf_counter() - ts, 1)
+    for v in variants:
+        models[v].eval()
+        report[v] = evaluate(models[v], embed, held_f, lut, T)
+        save(v)
+    _log(f"train: {step} steps; after: " + json.dumps({v: report[v] for v in variants}), t0)
+    return report
+
+
+def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: int | None = None,
+        max_rows: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
+        variants: tuple[str, ...] = ("hard", "soft"), init: Path | None = None, parity: bool = True) -> None:
+    """Parity, generation, features and training within `budget_s` seconds; results in `out`."""
+    import torch
+
+    t0 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    spec = json.loads((job_dir / "job.json").read_text())
+    job = dict(np.load(job_dir / "job.npz"))
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"engine": ENGINE, "torch": torch.__version__, "device": device,
+                              "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    model = load_model(job_dir, spec, device)
+    _log(f"model loaded on {report['device_name']}", t0)
+
+    # (1) parity: greedy ids and top-5 logits of the parity prompts
+    if parity:
+        par = [job["parity_tok"][a:b].tolist() for a, b in zip(job["parity_off"][:-1], job["parity_off"][1:])]
+        tp = time.perf_counter()
+        ids, tops = greedy(model, par, spec["parity_max_new_tokens"], spec["eos_ids"], device, top5=True)
+        np.savez_compressed(out / "parity.npz", offsets=np.cumsum([0] + [len(x) for x in ids]),
+                            ids=np.array([t for x in ids for t in x], np.int64), top5=np.concatenate(tops))
+        _log(f"parity: {len(par)} prompts, {sum(map(len, ids))} tokens in {time.perf_counter() - tp:.1f} s", t0)
+
+    # (2) greedy answers
+    gen_deadline = t0 + budget_s * gen_share
+    if limit:  # a dry run: `limit` prompts of each turn, short answers
+        job["t1_row"], job["t1_job"] = job["t1_row"][:limit], job["t1_job"][:limit]
+        job["t1_off"] = job["t1_off"][: limit + 1]
+        for key in ("t2_job", "t2_row", "t2_follow", "t2_has_fixed"):
+            job[key] = job[key][:limit]
+        job["t2_fixed_off"] = job["t2_fixed_off"][: limit + 1]
+        spec["max_new_tokens"] = min(spec["max_new_tokens"], 16)
+    tg = time.perf_counter()
+    got, done = generate_all(model, job, spec, device, gen_deadline, t0, max_rows,
+                             lambda g, d: _save_sequences(out, g, d))
+    _save_sequences(out, got, done)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the generation's KV caches
+    gen_tokens = sum(len(r) for _, r in got.values())
+    report["generation"] = {"responses": len(got), "shards_done": len(done), "tokens": gen_tokens,
+                            "seconds": round(time.perf_counter() - tg, 1),
+                            "tokens_per_s": round(gen_tokens / max(time.perf_counter() - tg, 1e-9), 1)}
+    _log(f"generation: {report['generation']}", t0)
+
+    # (3) features of the committed corpus and the new sequences
+    tf = time.perf_counter()
+    seqs = corpus_sequences(Path(spec["corpus"]), limit)
+    new = [(np.asarray(p + r, np.int64), len(p)) for p, r in got.values() if r]
+    train_f = Features(model, seqs["train"] + new, device)
+    held_f = Features(model, seqs["heldout"], device)
+    report["features"] = {"train_sequences": train_f.sequences, "train_contexts": len(train_f),
+                          "new_sequences": len(new), "heldout_contexts": len(held_f),
+                          "seconds": round(time.perf_counter() - tf, 1)}
+    _log(f"features: {report['features']}", t0)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    # (4) training until the budget's end (a margin for evaluation and saving)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    report["train"] = train(model, train_f, held_f, Path(spec["drafter"]), out, t0 + budget_s - 20, t0, batch, lr,
+                            variants=variants, init=init)
+    report["total_s"] = round(time.perf_counter() - t0, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    _log("done", t0)
+
+
+# ----------------------------------------------------------------------------------------------------------- here
+def land(result_dir: Path, prompts_file: Path, corpus_dir: Path) -> None:
+    """Shards of the plan from the run's answers, through the corpus' own code (`distill.grow`): the shards the run
+    finished, each entry naming the engine and device and carrying the run's generation rate."""
+    from mlx_redrafter.errors import UserError
+    from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.train.distill import grow
+    from mlx_redrafter.train.greedy import GreedySource
+
+    target = load_target(None)
+    got, done = load_sequences(result_dir)
+    answer = {tuple(p): r for p, r in got.values()}
+    report = json.loads((result_dir / "report.json").read_text())
+    rate = report["generation"]["tokens"] / max(report["generation"]["seconds"], 1e-9)  # the run's, shared out
+
+    class CudaAnswers(GreedySource):
+        """Greedy shards whose answers were made on the CUDA machine (`ENGINE` in each manifest entry)."""
+
+        def jobs(self):
+            return [j for j in super().jobs() if j.index in done]
+
+        def answer(self, prompts):
+            missing = sum(tuple(p) not in answer for p in prompts)
+            if missing:
+                raise UserError(f"{result_dir}: {missing} prompts of a finished shard have no answer: the run and "
+                                f"this plan differ (run prepare again before the next run)")
+            return [answer[tuple(p)] for p in prompts], None
+
+        def make(self, job, corpus, progress):
+            made = super().make(job, corpus, progress)
+            resp = made.response_tokens
+            made.info.update(engine=ENGINE, device=report.get("device_name", "?"),
+                             seconds=round(resp / rate, 1), new_tokens_per_s=round(rate, 1))
+            return made
+
+    grow(CudaAnswers(target, prompts_file), target, corpus_dir, progress=False)
+
+
+def parity(result_dir: Path, job_dir: Path) -> dict[str, Any]:
+    """The CUDA run's greedy answers to the parity prompts against the runtime's own model here: at every position
+    the CUDA run decided, the MLX argmax over the same context and the largest difference of the top-5 logits."""
+    import mlx.core as mx
+
+    from mlx_redrafter.models.loader import load_target
+
+    target = load_target(None)
+    spec = json.loads((job_dir / "job.json").read_text())
+    with np.load(job_dir / "job.npz") as z:
+        prompts = [z["parity_tok"][a:b].tolist() for a, b in zip(z["parity_off"][:-1], z["parity_off"][1:])]
+    with np.load(result_dir / "parity.npz") as z:
+        off, ids, top5 = z["offsets"], z["ids"], z["top5"]
+    same = total = equal_prompts = 0
+    worst = 0.0
+    first_diff = []
+    for k, p in enumerate(prompts):
+        got = ids[off[k]:off[k + 1]].tolist()
+        cache = target.model.make_cache(len(p) + len(got))
+        logits, _ = target.model(mx.array([p + got[:-1]]), cache)
+        ours = np.array(logits[0, len(p) - 1:].astype(mx.float32))
+        mine = ours.argmax(-1)
+        agree = mine == np.array(got)
+        same += int(agree.sum())
+        total += len(got)
+        equal_prompts += bool(agree.all())
+        first_diff.append(int(np.argmin(agree)) if not agree.all() else None)
+        t = top5[off[k]:off[k + 1]]
+        vals, tids = t[:, :5], t[:, 5:].astype(np.int64)
+        worst = max(worst, float(np.abs(np.take_along_axis(ours, tids, -1) - vals).max()))
+    out = {"prompts": len(prompts), "max_new_tokens": spec["parity_max_new_tokens"], "tokens": total,
+           "argmax_equal": same, "prompts_all_equal": equal_prompts, "first_difference": first_diff,
+           "max_abs_top5_logit_diff": round(worst, 6)}
+    print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--job", type=Path, default=Path(".gpu"))
+    p.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
+    p.add_argument("--corpus", type=Path, default=Path("data/corpus/smollm2-135m"))
+    r = sub.add_parser("run")
+    r.add_argument("--job", type=Path, default=Path(".gpu"))
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--budget-s", type=float, default=450)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--limit", type=int, default=None, help="a dry run: this many prompts and sequences per shard")
+    r.add_argument("--max-rows", type=int, default=512)
+    r.add_argument("--batch", type=int, default=1024)
+    r.add_argument("--lr", type=float, default=5e-4)
+    r.add_argument("--gen-share", type=float, default=0.5)
+    r.add_argument("--variants", default="hard,soft", help="drafters trained side by side: hard, soft or both")
+    r.add_argument("--init", type=Path, default=None, help="start from these drafter weights (same shape)")
+    r.add_argument("--no-parity", action="store_true")
+    m = sub.add_parser("land")
+    m.add_argument("result", type=Path)
+    m.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
+    m.add_argument("--corpus", type=Path, default=Path("data/corpus/smollm2-135m"))
+    q = sub.add_parser("parity")
+    q.add_argument("result", type=Path)
+    q.add_argument("--job", type=Path, default=Path(".gpu"))
+    a = ap.parse_args()
+    if a.cmd == "prepare":
+        prepare(a.job, a.prompts, a.corpus)
+    elif a.cmd == "run":
+        run(a.job, a.out, a.budget_s, a.device, a.limit, a.max_rows, a.batch, a.lr, a.gen_share,
+            tuple(a.variants.split(",")), a.init, not a.no_parity)
+    elif a.cmd == "parity":
+        parity(a.result, a.job)
+    else:
+        land(a.result, a.prompts, a.corpus)
+
+
+if __name__ == "__main__":
+    main()

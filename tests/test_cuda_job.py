@@ -1,0 +1,78 @@
+"""The CUDA job (bench/torch_ref/cuda_job.py) on this CPU: its PyTorch engine decides what the runtime decides, its
+features carry the target's own labels, and its answers land as plan shards that say where they were made."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from bench.torch_ref.target import load_hf_target
+
+    return load_hf_target(None, device="cpu")
+
+
+def test_batched_engine_equals_the_runtimes_greedy(target, hf, chat_ids):
+    from bench.torch_ref.cuda_job import greedy
+    from mlx_redrafter.train.greedy import generate_greedy
+
+    prompts = [chat_ids[0], chat_ids[5][:9], chat_ids[9]]  # different lengths: left padding
+    eos = target.tokenizer.eos_ids
+    ours, _ = generate_greedy(target.model, prompts, 12, eos)
+    theirs, tops = greedy(hf, prompts, 12, eos, "cpu", top5=True)
+    assert theirs == ours
+    assert [len(t) for t in tops] == [len(o) for o in ours]
+    assert all((t[:, 5] == np.array(o)).all() for t, o in zip(tops, ours))  # top-1 of the top-5 is the decision
+
+
+def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
+    from bench.torch_ref.cuda_job import TOP_K, Features
+    from mlx_redrafter.train.greedy import generate_greedy
+
+    prompts = [chat_ids[1], chat_ids[2]]
+    answers, _ = generate_greedy(target.model, prompts, 10, target.tokenizer.eos_ids)
+    seqs = [(np.array(p + a), len(p)) for p, a in zip(prompts, answers)]
+    f = Features(hf, seqs, "cpu")
+    assert len(f) == sum(len(a) for a in answers) and f.top_ids.shape == (len(f), TOP_K)
+    row = 0
+    for s, P in seqs:
+        logits, hidden = target.model(mx.array(s[None]), target.model.make_cache(len(s)))
+        ctx = slice(P - 1, len(s) - 1)
+        assert (f.top_ids[row:row + len(s) - P, 0].numpy() == np.array(logits[0, ctx].argmax(-1))).all()
+        assert np.allclose(f.hidden[row:row + len(s) - P].float().numpy(), np.array(hidden[0, ctx]), atol=2e-2)
+        row += len(s) - P
+
+
+def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
+    from bench.torch_ref.cuda_job import ENGINE, _save_sequences, land, prepare
+    from mlx_redrafter.train.corpus import Corpus
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Name {k + 2} animals that live in {c}.", "source": "oasst"})
+                               + "\n" for k, c in enumerate(["deserts", "forests", "oceans", "caves"] * 65)))
+    corpus, job, result = tmp_path / "corpus", tmp_path / "job", tmp_path / "result"
+    prepare(job, prompts, corpus)
+    with np.load(job / "job.npz") as z:
+        mine = [(int(r), z["t1_tok"][a:b].tolist())
+                for j, r, a, b in zip(z["t1_job"], z["t1_row"], z["t1_off"][:-1], z["t1_off"][1:]) if j == 1]
+    assert len(mine) == 4  # 260 prompts: the held-out shard 0 takes 256
+    eos = target.tokenizer.eos_ids[0]
+    got = {(1, r): (p, [p[-1], 7, eos]) for r, p in mine}
+    result.mkdir()
+    _save_sequences(result, got, [1])
+    (result / "report.json").write_text(json.dumps({"device_name": "test", "generation": {"tokens": 12,
+                                                                                           "seconds": 2.0}}))
+    land(result, prompts, corpus)
+    c = Corpus(corpus)
+    assert sorted(c.entries) == ["shard-00001.npz"]  # only the finished shard; shard 0 stays to be made
+    entry = c.entries["shard-00001.npz"]
+    assert entry["engine"] == ENGINE and entry["device"] == "test" and entry["new_tokens_per_s"] == 6.0
+    shard = c.shard("shard-00001.npz")
+    assert sorted(shard.sequence(i).tolist() for i in range(4)) == sorted(p + [p[-1], 7, eos] for _, p in mine)
