@@ -679,6 +679,23 @@ def parity(result_dir: Path, job_dir: Path) -> dict[str, Any]:
 
 
 def main() -> None:
+    """The command line; bad input is one `error:` line and exit 2."""
+    import sys
+
+    try:
+        _main()
+    except (OSError, KeyError, ValueError) as e:  # a missing or foreign job / result folder
+        print(f"error: {type(e).__name__}: {e}: give the folder `prepare` wrote (--job) or `run` filled (--out)",
+              file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # mlx_redrafter's UserError (here); not imported there, where MLX is absent
+        if type(e).__name__ != "UserError":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
