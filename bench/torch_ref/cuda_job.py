@@ -44,8 +44,7 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
     from mlx_redrafter.train.corpus import Corpus
-    from mlx_redrafter.train.greedy import GreedySource, follow_up_suffix
-    from mlx_redrafter.train.plan import FOLLOW_UPS, hash_unit
+    from mlx_redrafter.train.greedy import GreedySource
 
     target = load_target(None)
     tok = target.tokenizer
@@ -69,12 +68,11 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
             for r in job.rows:
                 t2_job.append(job.index)
                 t2_row.append(r)
-                t2_follow.append(int(hash_unit(f"follow:{s.seed}:{r}") * len(FOLLOW_UPS)))
+                t2_follow.append(src.follow_choice(r))
     # turn-2 rows whose turn-1 sequence is already in the corpus get their prompts here (the rest on the GPU)
-    src._follow_ids = [follow_up_suffix(target, t) for t in FOLLOW_UPS]
     for job in todo:
         if job.turn == 2 and job.index in done_parents:
-            for r, ids in zip(job.rows, src._turn2_prompts(corpus, job, set(tok.eos_ids))):
+            for r, ids in zip(job.rows, src.turn2_prompts(corpus, job, set(tok.eos_ids))):
                 t2_fixed.append((r, ids if ids is not None else []))
     fixed = dict(t2_fixed)
     parity = [tok.encode_chat([{"role": "user", "content": row["prompt"]}])
@@ -87,7 +85,7 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
 
     t1_tok, t1_off = flat(t1_ids)
     fix_tok, fix_off = flat([fixed.get(r, []) for r in t2_row])
-    fol_tok, fol_off = flat(src._follow_ids)
+    fol_tok, fol_off = flat(src.follow_ids)
     par_tok, par_off = flat(parity)
     np.savez(job_dir / "job.npz", t1_job=np.asarray(t1_job, np.int64), t2_job=np.asarray(t2_job, np.int64),
              t1_row=np.asarray(t1_row, np.int64), t1_tok=t1_tok, t1_off=t1_off,
@@ -174,9 +172,10 @@ def greedy(model: Any, prompts: list[list[int]], max_new: int, eos_ids: list[int
                 steps_top.append((rows, v, i))
             out[rows, step] = nxt
             live = ~torch.isin(nxt, eos)
-            if step + 1 == max_new or not bool(live.any()):
+            n_live = int(live.sum())  # the step's one host sync
+            if step + 1 == max_new or n_live == 0:
                 break
-            if int(live.sum()) < compact_below * len(rows):
+            if n_live < compact_below * len(rows):
                 keep = live.nonzero()[:, 0]
                 _select_cache(cache, keep)
                 rows, nxt, am, nxt_pos = rows[keep], nxt[keep], am[keep], nxt_pos[keep]

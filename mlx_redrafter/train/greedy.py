@@ -181,9 +181,7 @@ class GreedySource:
             ids = [tok.encode_chat([{"role": "user", "content": self.rows[self.order[r]]["prompt"]}])
                    for r in job.rows]
         else:
-            if self._follow_ids is None:
-                self._follow_ids = [follow_up_suffix(self.target, t) for t in FOLLOW_UPS]
-            ids = self._turn2_prompts(corpus, job, set(tok.eos_ids))
+            ids = self.turn2_prompts(corpus, job, set(tok.eos_ids))
         keep = [i for i, x in enumerate(ids) if x is not None and 0 < len(x) <= s.max_prompt_tokens]
         prompts = [ids[i] for i in keep]
         by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
@@ -215,7 +213,18 @@ class GreedySource:
         return generate_greedy(self.target.model, prompts, self.settings.max_new_tokens, self.target.tokenizer.eos_ids,
                                capture=self.capture)
 
-    def _turn2_prompts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[list[int] | None]:
+    @property
+    def follow_ids(self) -> list[list[int]]:
+        """Token ids of each follow-up request (`follow_up_suffix` of FOLLOW_UPS)."""
+        if self._follow_ids is None:
+            self._follow_ids = [follow_up_suffix(self.target, t) for t in FOLLOW_UPS]
+        return self._follow_ids
+
+    def follow_choice(self, row: int) -> int:
+        """Which follow-up the turn-2 sequence of plan row `row` asks (an index into FOLLOW_UPS)."""
+        return int(hash_unit(f"follow:{self.settings.seed}:{row}") * len(FOLLOW_UPS))
+
+    def turn2_prompts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[list[int] | None]:
         """Turn-2 prompts: the turn-1 sequence of each picked row + a follow-up; None where the first answer did
         not end with eos (cut at max_new_tokens) or is missing."""
         by_row: dict[int, np.ndarray] = {}
@@ -235,6 +244,5 @@ class GreedySource:
             if seq is None:
                 out.append(None)
                 continue
-            follow = self._follow_ids[int(hash_unit(f"follow:{self.settings.seed}:{r}") * len(self._follow_ids))]
-            out.append(seq.tolist() + follow)
+            out.append(seq.tolist() + self.follow_ids[self.follow_choice(r)])
         return out
