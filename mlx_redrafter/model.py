@@ -105,10 +105,16 @@ def _softmax_cpu(x: mx.array) -> mx.array:
 
 
 @partial(mx.compile, shapeless=True)
-def _rms_norm_cpu(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+def _rms_norm_compiled(x: mx.array, weight: mx.array, eps: float, inv_dim: float) -> mx.array:
     n = x.astype(mx.float32)
-    n = n * mx.rsqrt(mx.mean(mx.square(n), axis=-1, keepdims=True) + eps)
+    n = n * mx.rsqrt(mx.sum(mx.square(n), axis=-1, keepdims=True) * inv_dim + eps)
     return n.astype(x.dtype) * weight
+
+
+def _rms_norm_cpu(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """The mean of squares as a sum times 1 / dim, a constant of the compiled graph (as `mx.mean` computes it,
+    without the graph node that counts the elements at run time)."""
+    return _rms_norm_compiled(x, weight, eps, 1.0 / x.shape[-1])
 
 
 class RMSNorm(nn.RMSNorm):
@@ -118,7 +124,7 @@ class RMSNorm(nn.RMSNorm):
 
     def __call__(self, x: mx.array) -> mx.array:
         if mx.default_device() == mx.cpu:
-            return _rms_norm_cpu(x, self.weight, self.eps)
+            return _rms_norm_cpu(x, self["weight"], self.eps)
         return super().__call__(x)
 
 
@@ -131,7 +137,8 @@ def silu_mul(g: mx.array, u: mx.array) -> mx.array:
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
-    """Softmax attention with grouped KV heads: q (B, h, N, D), k/v (B, h_kv, S, D), mask (B|1, 1, N, S) bool.
+    """Softmax attention with grouped KV heads: q (B, h, N, D), k/v (B, h_kv, S, D), mask (B|1, 1, N, S) bool
+    (on a CPU also as `grouped_mask` made it, once for every layer).
 
     On a GPU MLX's fused kernel is used. MLX's CPU backend has no fused kernel (its fallback repeats the KV
     heads and is ~1.5x slower), so there the query heads that share a KV head are folded into one matrix
@@ -141,24 +148,33 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, h, N, D = q.shape
     h_kv = k.shape[1]
-    r = h // h_kv
-    scores = (q * scale).reshape(B, h_kv, r * N, D) @ k.swapaxes(-1, -2)  # (B, h_kv, r*N, S): rows (head, n)
+    scores = (q * scale).reshape(B, h_kv, h // h_kv * N, D) @ k.swapaxes(-1, -2)  # (B, h_kv, r*N, S): rows (head, n)
     if mask is not None:
-        scores = mx.where(mx.tile(mask, (1, 1, r, 1)) if r > 1 else mask, scores, -mx.inf)
+        scores = mx.where(grouped_mask(mask, h // h_kv, N), scores, -mx.inf)
     return (_softmax_cpu(scores) @ v).reshape(B, h, N, D)
 
 
+def grouped_mask(mask: mx.array, group: int, n: int) -> mx.array:
+    """On a CPU, the mask (B|1, 1, n, S) repeated for the `group` query heads that share a KV head (rows (head, n),
+    as `attention` orders the scores); one already repeated, or any mask on a GPU, is returned as it is."""
+    if mx.default_device() != mx.cpu or group == 1 or mask.shape[-2] == group * n:
+        return mask
+    return mx.tile(mask, (1, 1, group, 1))
+
+
 class FusedLinear:
-    """Several bias-free or all-biased `nn.Linear`s over the same input as one matrix product (fewer, larger
-    products: one pass over the weights instead of several). Built at load time: the layers' weights become
-    views into the fused matrix, so parameters, checkpoints and memory are unchanged. If a layer's weight is
-    replaced later (new weights loaded, a dtype change), `current()` turns False and callers use the layers."""
+    """One or several bias-free or all-biased `nn.Linear`s over the same input as one matrix product with a
+    pre-transposed weight: fewer, larger products (one pass over the weights instead of several) and fewer graph
+    nodes per call (no transpose, no split when one layer). Built at load time: the layers' weights become views
+    into the fused matrix, so parameters, checkpoints and memory are unchanged. If a layer's weight is replaced
+    later (new weights loaded, a dtype change), `current()` turns False and callers use the layers."""
 
     def __init__(self, layers: list[nn.Linear]):
         self.layers = layers
         self.weight = mx.concatenate([layer.weight for layer in layers])  # (sum of outputs, in)
         self.bias = mx.concatenate([layer.bias for layer in layers]) if "bias" in layers[0] else None
-        mx.eval(self.weight, *([] if self.bias is None else [self.bias]))
+        self.weight_t = self.weight.T  # a view: the product reads the weight as it is stored
+        mx.eval(self.weight, self.weight_t, *([] if self.bias is None else [self.bias]))
         sizes = [layer.weight.shape[0] for layer in layers]
         self.splits = list(np.cumsum(sizes)[:-1])
         start = 0
@@ -178,11 +194,15 @@ class FusedLinear:
                 and len({"bias" in layer for layer in layers}) == 1)
 
     def current(self) -> bool:
-        return all(layer.weight is w for layer, w in zip(self.layers, self.views))
+        return all(layer["weight"] is w for layer, w in zip(self.layers, self.views))
+
+    def product(self, x: mx.array) -> mx.array:
+        """x @ (the layers' weights, stacked)^T (+ bias): every layer's outputs side by side."""
+        return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
 
     def __call__(self, x: mx.array) -> list[mx.array]:
-        y = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
-        return mx.split(y, self.splits, axis=-1)
+        y = self.product(x)
+        return mx.split(y, self.splits, axis=-1) if self.splits else [y]
 
 
 def project(x: mx.array, fused: FusedLinear | None, layers: list[nn.Module]) -> list[mx.array]:
@@ -203,19 +223,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
         self.qkv: FusedLinear | None = None  # see Model.fuse_projections
+        self.o: FusedLinear | None = None
 
-    def __call__(
-        self, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None, cache: KVCache, layer: int
-    ) -> mx.array:
-        B, N, _ = x.shape
+    def __call__(self, x: mx.array, shape: tuple[int, int], rope: tuple[mx.array, mx.array], mask: mx.array | None,
+                 cache: KVCache, layer: int) -> mx.array:
+        """x (B * N, dim) -> (B * N, dim) for B rows of N new tokens."""
+        B, N = shape
         cos, sin = rope
-        q, k, v = project(x, self.qkv, [self.q_proj, self.k_proj, self.v_proj])
-        q = apply_rope(q.reshape(B, N, self.n_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
-        k = apply_rope(k.reshape(B, N, self.n_kv_heads, self.head_dim), cos, sin).transpose(0, 2, 1, 3)
-        v = v.reshape(B, N, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        keys, values = cache.write(layer, k, v)  # (B, n_kv, S, D), S = cache.offset + N
-        out = attention(q, keys, values, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
+        h, h_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qkv is not None and self.qkv.current():  # q and k rotated as one array
+            qk, v = mx.split(self.qkv.product(x), [(h + h_kv) * D], axis=-1)
+            q, k = mx.split(apply_rope(qk.reshape(B, N, h + h_kv, D), cos, sin), [h], axis=2)
+        else:
+            q, k, v = (layer(x) for layer in (self.q_proj, self.k_proj, self.v_proj))
+            q = apply_rope(q.reshape(B, N, h, D), cos, sin)
+            k = apply_rope(k.reshape(B, N, h_kv, D), cos, sin)
+        keys, values = cache.write(layer, k.transpose(0, 2, 1, 3), v.reshape(B, N, h_kv, D).transpose(0, 2, 1, 3))
+        out = attention(q.transpose(0, 2, 1, 3), keys, values, self.scale, mask)  # (B, h, N, D)
+        return project(out.transpose(0, 2, 1, 3).reshape(B * N, -1), self.o, [self.o_proj])[0]
 
 
 class MLP(nn.Module):
@@ -226,9 +251,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
         self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
         self.gate_up: FusedLinear | None = None  # see Model.fuse_projections
+        self.down: FusedLinear | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(silu_mul(*project(x, self.gate_up, [self.gate_proj, self.up_proj])))
+        return project(silu_mul(*project(x, self.gate_up, [self.gate_proj, self.up_proj])), self.down,
+                       [self.down_proj])[0]
 
 
 class TransformerBlock(nn.Module):
@@ -239,8 +266,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x, rope, mask, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
+    def __call__(self, x, shape, rope, mask, cache, layer):
+        h = x + self.self_attn(self.input_layernorm(x), shape, rope, mask, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -268,14 +295,19 @@ class Model(nn.Module):
         return KVCache(self.args.num_hidden_layers, capacity)
 
     def fuse_projections(self) -> None:
-        """Compute q/k/v and gate/up as one product each (plain float weights; quantized layers stay apart).
-        Same results: every output is the same dot product; parameters and checkpoints are unchanged."""
+        """Compute q/k/v and gate/up as one product each, and every product of a layer from a pre-transposed weight
+        (plain float weights; quantized layers stay apart). Same results: every output is the same dot product;
+        parameters and checkpoints are unchanged."""
         for layer in self.model.layers:
             a, p = layer.self_attn, layer.mlp
             if FusedLinear.supported([a.q_proj, a.k_proj, a.v_proj]):
                 a.qkv = FusedLinear([a.q_proj, a.k_proj, a.v_proj])
             if FusedLinear.supported([p.gate_proj, p.up_proj]):
                 p.gate_up = FusedLinear([p.gate_proj, p.up_proj])
+            if FusedLinear.supported([a.o_proj]):
+                a.o = FusedLinear([a.o_proj])
+            if FusedLinear.supported([p.down_proj]):
+                p.down = FusedLinear([p.down_proj])
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -319,11 +351,13 @@ class Model(nn.Module):
             positions = mx.broadcast_to(mx.arange(cache.offset, cache.offset + N), (B, N))
         if mask is None and N > 1:
             mask = causal_mask(N, cache.offset)
-        x = self.embed(tokens)
+        if mask is not None:
+            mask = grouped_mask(mask, self.args.num_attention_heads // self.args.num_key_value_heads, N)
+        x = self.embed(tokens).reshape(B * N, -1)  # (B * N, H): two-dimensional products, fewer graph nodes
         rope = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, cache, i)
-        hidden = self.model.norm(x)  # (B, N, H) post-norm: what the drafter consumes
+            x = layer(x, (B, N), rope, mask, cache, i)
+        hidden = self.model.norm(x).reshape(B, N, -1)  # (B, N, H) post-norm: what the drafter consumes
         return self.logits(hidden[:, -1:] if last_only else hidden), hidden
 
 
