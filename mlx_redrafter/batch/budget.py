@@ -268,6 +268,7 @@ class Budget:
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
+CURVE_VERSION = 2  # bumped when the target forward's cost changes shape, so that kept curves are measured again
 
 
 def curve_file(model: str, fingerprint: str) -> Path:
@@ -275,7 +276,7 @@ def curve_file(model: str, fingerprint: str) -> Path:
     from mlx_redrafter.tuning import tuned_file
 
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{model}-{fingerprint}")
-    return tuned_file().parent / f"cost-curve-{safe}.json"
+    return tuned_file().parent / f"cost-curve-{safe}-v{CURVE_VERSION}.json"
 
 
 def stored_curve(model: str, fingerprint: str, batch: int, length: int) -> CostCurve | None:
