@@ -68,7 +68,7 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
             for r in job.rows:
                 t2_job.append(job.index)
                 t2_row.append(r)
-                t2_follow.append(src.follow_choice(r))
+                t2_follow.append(src.follow_choice(r, job.follow_pass))
     # turn-2 rows whose turn-1 sequence is already in the corpus get their prompts here (the rest on the GPU)
     for job in todo:
         if job.turn == 2 and job.index in done_parents:

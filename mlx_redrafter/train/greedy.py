@@ -220,9 +220,11 @@ class GreedySource:
             self._follow_ids = [follow_up_suffix(self.target, t) for t in FOLLOW_UPS]
         return self._follow_ids
 
-    def follow_choice(self, row: int) -> int:
-        """Which follow-up the turn-2 sequence of plan row `row` asks (an index into FOLLOW_UPS)."""
-        return int(hash_unit(f"follow:{self.settings.seed}:{row}") * len(FOLLOW_UPS))
+    def follow_choice(self, row: int, follow_pass: int = 0) -> int:
+        """Which follow-up the turn-2 sequence of plan row `row` asks in a pass (an index into FOLLOW_UPS)."""
+        seed = self.settings.seed
+        key = f"follow:{seed}:{row}" if follow_pass == 0 else f"follow:{seed}:{follow_pass}:{row}"
+        return int(hash_unit(key) * len(FOLLOW_UPS))
 
     def turn2_prompts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[list[int] | None]:
         """Turn-2 prompts: the turn-1 sequence of each picked row + a follow-up; None where the first answer did
@@ -244,5 +246,5 @@ class GreedySource:
             if seq is None:
                 out.append(None)
                 continue
-            out.append(seq.tolist() + self.follow_ids[self.follow_choice(r)])
+            out.append(seq.tolist() + self.follow_ids[self.follow_choice(r, job.follow_pass)])
         return out

@@ -4,6 +4,10 @@ Shard 0 holds the held-out prompts (never trained on); then turn-1 shards of `sh
 `turn2_every` of them one turn-2 shard that continues a quarter of their sequences with a short follow-up request
 (multi-turn contexts). The order of the prompt pool is a deterministic weighted shuffle, so general chat comes
 first and the pool's math and code share trickles in later; every prompt is eventually used.
+
+Once every prompt has its first answer, the plan goes on (so that a data job never runs out of work): further
+turn-2 passes continue the other quarters of each group's sequences, each pass with its own draw of follow-ups.
+Shards already made keep their numbers: the passes come after them.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Job:
     split: str
     rows: list[int]  # plan rows (turn 1) or plan rows whose turn-1 sequence is continued (turn 2)
     parents: list[int] = field(default_factory=list)  # turn-1 shards the turn-2 sequences come from
+    follow_pass: int = 0  # turn 2: which pass over the groups (0: the pass interleaved with the turn-1 shards)
 
     @property
     def name(self) -> str:
@@ -86,7 +91,18 @@ def plan_jobs(n_rows: int, s: Settings, turn2: bool = True) -> list[Job]:
         turn1.append(job)
         start += s.shard_size
         if turn2 and len(turn1) % s.turn2_every == 0:
-            group = turn1[-s.turn2_every:]
-            picked = [r for j in group for r in j.rows if hash_unit(f"turn2:{s.seed}:{r}") < 1 / s.turn2_every]
-            jobs.append(Job(len(jobs), 2, "train", picked, parents=[j.index for j in group]))
+            jobs.append(_turn2_job(len(jobs), turn1[-s.turn2_every:], s, 0))
+    if turn2:
+        groups = [turn1[g : g + s.turn2_every] for g in range(0, len(turn1) - s.turn2_every + 1, s.turn2_every)]
+        for k in range(1, s.turn2_every):
+            for group in groups:
+                jobs.append(_turn2_job(len(jobs), group, s, k))
     return jobs
+
+
+def _turn2_job(index: int, group: list[Job], s: Settings, k: int) -> Job:
+    """The turn-2 shard of pass k over a group of turn-1 shards: the rows whose hash falls in the k-th of
+    `turn2_every` equal parts (every row of the group is continued once over all passes)."""
+    lo, hi = k / s.turn2_every, (k + 1) / s.turn2_every
+    picked = [r for j in group for r in j.rows if lo <= hash_unit(f"turn2:{s.seed}:{r}") < hi]
+    return Job(index, 2, "train", picked, parents=[j.index for j in group], follow_pass=k)
