@@ -244,6 +244,29 @@ def test_the_budget_measures_plain_steps_first_and_probes_less_often_while_one_k
     assert len(probes) <= 10
 
 
+def test_one_slow_step_does_not_keep_the_batch_from_speculating():
+    """No model needed. Speculation pays (every draft accepted, a step of 4 tokens costs 1.2 plain ones); one
+    speculative step beside a plain probe takes 40x as long (the cache grew, another process ran): the budget
+    goes on drafting the full length instead of backing off until many probes wash the outlier out."""
+    flat = CostCurve({b: [1.0 + 0.01 * p for p in range(8)] for b in (1, 2, 4, 8)})
+    budget = Budget(4, flat, probe=4, max_probe=32)
+    for _ in range(4):
+        budget.join()
+    chosen, previous, slowed = [], 1, False
+    for step in range(160):
+        lengths = budget.lengths(["rnn"] * 4)
+        n = max(lengths)
+        seconds = 1.0 if n == 1 else 1.2
+        if step > 60 and n > 1 and previous == 1 and not slowed:
+            seconds, slowed = 40.0, True
+        chosen.append(n)
+        budget.observe(lengths, [n - 1] * 4, seconds=seconds)
+        previous = n
+    assert slowed
+    late = chosen[70:]
+    assert sum(n == 4 for n in late) >= 0.85 * len(late)
+
+
 @pytest.mark.parametrize("accepting", [False, True])
 def test_the_budget_prices_speculative_steps_by_what_they_cost_beside_plain_ones(accepting):
     """No model needed. The curve says drafting is free; the steps really cost half a plain step more per extra

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,22 +117,23 @@ class Budget:
 
     A row's drafts are modelled as accepted one after another with probability alpha, so a candidate of length l
     decides (1 - alpha**l) / (1 - alpha) tokens on average. Alpha is kept per row and per kind of draft (an
-    exponential moving average of what the row's steps of that kind accepted): the kind is what the row drafts
-    from this step (`draft.base.drafting_source`: a copy from its context, which the target often accepts for
-    many tokens, or the drafter, which it accepts far less), known before the step is priced because copies are
-    looked up first. Without a curve every drafting row gets the full `length`. With one, the length l in
-    1..length (1: a plain step) that maximises the batch's expected tokens per second. Costs are measured in this
-    run, relative to plain steps: `ratio[rows, l]` is what a step of length l cost over the plain step run right
-    before or after it (a moving average of such neighbours), and `plain[rows]` what a plain step costs now (every
-    step updates it: a step of length l through its ratio). Neighbouring steps see the same contexts, so a ratio
-    stays valid as the contexts grow, where an absolute time measured many steps ago would not; drafting, packing
-    and acceptance, which the curve does not hold, are in it. A length without a measured ratio takes the curve's
-    ratio to the nearest measured one. The first step at a batch size is plain (the reference). A step tries the
-    other kind of step (2 drafted tokens while backed off, a plain step otherwise) when there has been none for a
-    while, so the acceptance and the costs stay current: `probe` steps at first, twice as long after each probe
-    (at most `max_probe`), back to `probe` when the choice changes while the rows draft from the same kinds (a
-    change of mind, not of situation). A batch where one kind of step keeps winning spends little on the other; one
-    that alternates with what its rows copy needs no probes.
+    exponential moving average of what the row's steps of that kind accepted): the kind is what the row drafts from
+    this step (`draft.base.drafting_source`: a copy from its context, which the target often accepts for many
+    tokens, or the drafter, which it accepts far less), known before the step is priced because copies are looked up
+    first. Without a curve every drafting row gets the full `length`. With one, the length l in 1..length (1: a
+    plain step) that maximises the batch's expected tokens per second. Costs are measured in this run, relative to
+    plain steps: `ratio[rows, l]` is what a step of length l cost over the plain step run right before or after it
+    (the median of the last `RATIO_WINDOW` such neighbours: one step slowed by something else, such as the cache
+    growing, must not keep the batch from speculating until the next probes wash it out), and `plain[rows]` what a
+    plain step costs now (every step updates it: a step of length l through its ratio). Neighbouring steps see the
+    same contexts, so a ratio stays valid as the contexts grow, where an absolute time measured many steps ago would
+    not; drafting, packing and acceptance, which the curve does not hold, are in it. A length without a measured
+    ratio takes the curve's ratio to the nearest measured one. The first step at a batch size is plain (the
+    reference). A step tries the other kind of step (2 drafted tokens while backed off, a plain step otherwise) when
+    there has been none for a while, so the acceptance and the costs stay current: `probe` steps at first, twice as
+    long after each probe (at most `max_probe`), back to `probe` when the choice changes while the rows draft from
+    the same kinds (a change of mind, not of situation). A batch where one kind of step keeps winning spends little
+    on the other; one that alternates with what its rows copy needs no probes.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
@@ -145,6 +147,7 @@ class Budget:
         self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
         self.ratio: dict[tuple[int, int], float] = {}  # (rows, length > 1) -> its cost / a neighbouring plain step's
+        self.ratios: dict[tuple[int, int], deque[float]] = {}  # the last pairs' ratios behind `ratio`
         self.previous: tuple[int, int, float] | None = None  # (rows, length, seconds) of the last observed step
         self.steps = 0
         self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
@@ -257,7 +260,9 @@ class Budget:
         before, self.previous = self.previous, (rows, n, seconds)
         if before is not None and before[0] == rows and (before[1] == 1) != (n == 1):  # a plain / speculative pair
             length, ratio = (n, seconds / before[2]) if n > 1 else (before[1], before[2] / seconds)
-            self.ratio[rows, length] = self._average(self.ratio.get((rows, length)), ratio)
+            recent = self.ratios.setdefault((rows, length), deque(maxlen=RATIO_WINDOW))
+            recent.append(ratio)
+            self.ratio[rows, length] = statistics.median(recent)
         if n == 1:
             self.plain[rows] = self._average(self.plain.get(rows), seconds)
         elif rows in self.plain:
@@ -268,6 +273,7 @@ class Budget:
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
+RATIO_WINDOW = 5  # plain / speculative pairs behind each measured cost ratio (their median)
 CURVE_VERSION = 2  # bumped when the target forward's cost changes shape, so that kept curves are measured again
 
 
