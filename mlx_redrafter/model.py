@@ -235,7 +235,7 @@ class Attention(nn.Module):
             qk, v = mx.split(self.qkv.product(x), [(h + h_kv) * D], axis=-1)
             q, k = mx.split(apply_rope(qk.reshape(B, N, h + h_kv, D), cos, sin), [h], axis=2)
         else:
-            q, k, v = (layer(x) for layer in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
             q = apply_rope(q.reshape(B, N, h, D), cos, sin)
             k = apply_rope(k.reshape(B, N, h_kv, D), cos, sin)
         keys, values = cache.write(layer, k.transpose(0, 2, 1, 3), v.reshape(B, N, h_kv, D).transpose(0, 2, 1, 3))
