@@ -122,7 +122,7 @@ class Budget:
     tokens, or the drafter, which it accepts far less), known before the step is priced because copies are looked up
     first. Without a curve every drafting row gets the full `length`. With one, the length l in 1..length (1: a
     plain step) that maximises the batch's expected tokens per second. Costs are measured in this run, relative to
-    plain steps: `ratio[rows, l]` is what a step of length l cost over the plain step run right before or after it
+    plain steps: `ratio(rows, l)` is what a step of length l cost over the plain step run right before or after it
     (the median of the last `RATIO_WINDOW` such neighbours: one step slowed by something else, such as the cache
     growing, must not keep the batch from speculating until the next probes wash it out), and `plain[rows]` what a
     plain step costs now (every step updates it: a step of length l through its ratio). Neighbouring steps see the
@@ -146,8 +146,7 @@ class Budget:
         self.caps: list[int] = []  # each row's longest candidate
         self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
-        self.ratio: dict[tuple[int, int], float] = {}  # (rows, length > 1) -> its cost / a neighbouring plain step's
-        self.ratios: dict[tuple[int, int], deque[float]] = {}  # the last pairs' ratios behind `ratio`
+        self.ratios: dict[tuple[int, int], deque[float]] = {}  # (rows, length > 1) -> its last pairs' cost ratios
         self.previous: tuple[int, int, float] | None = None  # (rows, length, seconds) of the last observed step
         self.steps = 0
         self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
@@ -181,17 +180,21 @@ class Budget:
         """Tokens a candidate of `length` decides on average (the target's own token included)."""
         return float(length) if alpha >= 1 else (1 - alpha**length) / (1 - alpha)
 
+    def ratio(self, rows: int, length: int) -> float:
+        """A measured step of `length` over a neighbouring plain step: the median of its last pairs."""
+        return statistics.median(self.ratios[rows, length])
+
     def cost(self, rows: int, length: int) -> float:
         """Expected seconds of a step of `rows` rows at a common candidate length (plain steps of this many rows
         must have been measured)."""
         base = self.plain[rows]
         if length == 1:
             return base
-        measured = [n for r, n in self.ratio if r == rows]
+        measured = [n for r, n in self.ratios if r == rows]
         if not measured:
             return base * self.curve.cost(rows, length) / self.curve.cost(rows, 1)
         nearest = min(measured, key=lambda n: (abs(n - length), n))
-        return base * self.ratio[rows, nearest] * self.curve.cost(rows, length) / self.curve.cost(rows, nearest)
+        return base * self.ratio(rows, nearest) * self.curve.cost(rows, length) / self.curve.cost(rows, nearest)
 
     def lengths(self, kinds: list[str | None], fixed: list[bool] | None = None,
                 offered: list[int | None] | None = None) -> list[int]:
@@ -260,9 +263,7 @@ class Budget:
         before, self.previous = self.previous, (rows, n, seconds)
         if before is not None and before[0] == rows and (before[1] == 1) != (n == 1):  # a plain / speculative pair
             length, ratio = (n, seconds / before[2]) if n > 1 else (before[1], before[2] / seconds)
-            recent = self.ratios.setdefault((rows, length), deque(maxlen=RATIO_WINDOW))
-            recent.append(ratio)
-            self.ratio[rows, length] = statistics.median(recent)
+            self.ratios.setdefault((rows, length), deque(maxlen=RATIO_WINDOW)).append(ratio)
         if n == 1:
             self.plain[rows] = self._average(self.plain.get(rows), seconds)
         elif rows in self.plain:
