@@ -61,6 +61,45 @@ def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(path):
             assert np.array_equal(np.array(x[:M] @ w.T), full[:M]), M
 
 
+@pytest.mark.parametrize("path", ["best", "avx2"])
+def test_attention_sized_products_match_float64_and_ignore_masked_keys(path):
+    """Attention's products (scores = q k^T, weights @ values), per batch row and KV head: tiny, so they run in the
+    kernel; a query's result is the same bits whatever the number of queries and however many masked keys
+    (weight exactly 0) follow or sit between its visible ones."""
+    if not have_path():
+        pytest.skip("small-GEMM library not built on this machine")
+    rng = np.random.default_rng(2)
+    with _path(path):
+        for B, M, S, D in [(1, 3, 200, 64), (8, 6, 201, 64), (2, 9, 37, 128), (3, 5, 64, 80), (1, 48, 216, 64)]:
+            q = rng.standard_normal((B, M, D), dtype=np.float32)
+            k = rng.standard_normal((B, S, D), dtype=np.float32)
+            p = rng.random((B, M, S), dtype=np.float32)
+            scores, out = np.array(mx.array(q) @ mx.array(k).swapaxes(-1, -2)), np.array(mx.array(p) @ mx.array(k))
+            ref_s = q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2)
+            ref_o = p.astype(np.float64) @ k.astype(np.float64)
+            assert np.abs(scores - ref_s).max() <= 1e-5 * np.abs(ref_s).max(), (B, M, S, D)
+            assert np.abs(out - ref_o).max() <= 1e-5 * np.abs(ref_o).max(), (B, M, S, D)
+        S, D = 120, 64
+        v = mx.array(rng.standard_normal((S + 9, D), dtype=np.float32))
+        w = rng.random((9, S + 9), dtype=np.float32)
+        w[:, S:] = 0  # keys after the context: not visible yet
+        w[4:, 50:60] = 0  # a hole: masked keys between visible ones
+        full = np.array(mx.array(w) @ v)
+        keep = np.r_[0:50, 60:S]  # what a row with the hole holds alone: its visible keys only
+        for m in range(1, 9):
+            assert np.array_equal(np.array(mx.array(w[:m, :S]) @ v[:S]), full[:m]), m
+            assert np.array_equal(np.array(mx.array(w[m : m + 1]) @ v), full[m : m + 1]), m
+            if m >= 4:
+                alone = np.array(mx.array(np.ascontiguousarray(w[m : m + 1, keep])) @ v[mx.array(keep)])
+                assert np.array_equal(alone, full[m : m + 1]), m
+        kq = mx.array(rng.standard_normal((S, D), dtype=np.float32))
+        x = mx.array(rng.standard_normal((9, D), dtype=np.float32))
+        all_rows = np.array(x @ kq.T)
+        for m in range(1, 9):
+            assert np.array_equal(np.array(x[:m] @ kq.T), all_rows[:m]), m
+            assert np.array_equal(np.array(x[:m] @ kq[:50].T), all_rows[:m, :50]), m
+
+
 def _path(path: str):
     """The kernel's best path for this CPU, or its AVX2 + FMA path."""
     return small_gemm_avx2() if path == "avx2" else contextlib.nullcontext()
@@ -71,7 +110,7 @@ def test_other_products_go_to_the_blas():
         pytest.skip("small-GEMM library not built on this machine")
     fast, slow = small_gemm_calls()
     mx.eval(mx.ones((33, 576)) @ mx.ones((1536, 576)).T)  # too many rows
-    mx.eval(mx.ones((4, 576)) @ mx.ones((576, 1536)))  # not x @ W^T
+    mx.eval(mx.ones((4, 576)) @ mx.ones((576, 1536)))  # not x @ W^T, and too large for the tiny path
     with small_gemm_disabled():
         mx.eval(mx.ones((1, 576)) @ mx.ones((1536, 576)).T)
     f2, s2 = small_gemm_calls()

@@ -27,7 +27,7 @@ void redrafter_gemm_set_threads(int threads) { n_threads = threads > 0 ? threads
 void redrafter_gemm_enable(int on) { enabled = on; }
 long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
 /* Bumped whenever the kernels' speed changes, so costs measured with an older build are measured again. */
-int redrafter_gemm_version(void) { return 4; }
+int redrafter_gemm_version(void) { return 5; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -178,6 +178,39 @@ static void rows(const float *x, const float *w, float *y, int M, int K, int ldy
         avx2_kernels[M - m < 8 ? M - m : 8](x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n0, n1);
 }
 
+/* y (M, ldy) = x (M, lda) w (K, ldb): products with a small stored (not transposed) right side, such as attention's
+ * weights times values (N = the head dimension, K = the keys). Every element is one chain of fused multiply-adds over
+ * k in order, whatever M, N or the instruction set: a key whose weight is exactly 0 (masked) leaves it unchanged. */
+#define XW(NAME, TARGET, VEC, LANES, ZERO, LOAD, BCAST, FMA, STORE)                                           \
+    __attribute__((target(TARGET))) static void NAME(const float *x, const float *w, float *y, int M, int N,  \
+                                                     int K, int lda, int ldb, int ldy) {                      \
+        for (int n = 0; n < N; n += 4 * LANES) {                                                              \
+            int v = (N - n) / LANES < 4 ? (N - n) / LANES : 4;                                                \
+            for (int m = 0; m < M; m += 2) {                                                                  \
+                int two = m + 1 < M;                                                                          \
+                VEC a0[4] = {ZERO, ZERO, ZERO, ZERO}, a1[4] = {ZERO, ZERO, ZERO, ZERO};                       \
+                const float *x0 = x + (size_t)m * lda, *x1 = x0 + (two ? lda : 0);                            \
+                for (int k = 0; k < K; k++) {                                                                 \
+                    const float *wk = w + (size_t)k * ldb + n;                                                \
+                    VEC b0 = BCAST(x0[k]), b1 = BCAST(x1[k]);                                                 \
+                    for (int j = 0; j < v; j++) {                                                             \
+                        VEC wv = LOAD(wk + j * LANES);                                                        \
+                        a0[j] = FMA(b0, wv, a0[j]);                                                           \
+                        a1[j] = FMA(b1, wv, a1[j]);                                                           \
+                    }                                                                                         \
+                }                                                                                             \
+                for (int j = 0; j < v; j++) {                                                                 \
+                    STORE(y + (size_t)m * ldy + n + j * LANES, a0[j]);                                        \
+                    if (two) STORE(y + (size_t)(m + 1) * ldy + n + j * LANES, a1[j]);                         \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+XW(xw512, "avx512f", __m512, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps,
+   _mm512_storeu_ps)
+XW(xw256, "avx2,fma", __m256, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps,
+   _mm256_storeu_ps)
+
 static int usable(void) {
     static int ok = -1;
     if (ok < 0) ok = has_avx512() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
@@ -193,14 +226,27 @@ int redrafter_gemm_use_avx512(int on) {
     return was;
 }
 
-enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+enum { RowMajor = 101, NoTrans = 111, Trans = 112, TINY_PRODUCT = 1 << 20 };
 
 void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc) {
 #if defined(__x86_64__)
+    if (layout == RowMajor && ta == Trans && M == 1 && lda == 1) { /* one row passed as a column: the same memory */
+        ta = NoTrans;
+        lda = K;
+    }
+    /* Products too small for a BLAS call to pay its own overhead (attention's, per batch row and KV head: a few
+       microseconds each in the BLAS for under one of arithmetic) run here on one thread. */
+    int tiny = (long)M * N * K <= TINY_PRODUCT;
+    if (enabled && layout == RowMajor && ta == NoTrans && tb == NoTrans && alpha == 1.0f && beta == 0.0f && tiny &&
+        M >= 1 && K >= 1 && N % 16 == 0 && N <= 256 && usable()) {
+        fast_calls++;
+        (has_avx512() ? xw512 : xw256)(A, B, C, M, N, K, lda, ldb, ldc);
+        return;
+    }
     if (enabled && layout == RowMajor && ta == NoTrans && tb == Trans && alpha == 1.0f && beta == 0.0f && M >= 1 &&
-        M <= (has_avx512() ? MAX_ROWS_AVX512 : 16) && K % 16 == 0 && lda == K && ldb == K && (long)N * K >= 65536 &&
-        usable()) {
+        M <= (has_avx512() ? MAX_ROWS_AVX512 : 16) && K % 16 == 0 && lda == K && ldb == K &&
+        ((long)N * K >= 65536 || tiny) && usable()) {
         fast_calls++;
         int T = n_threads;
         if (T <= 1 || (long)N * K < 262144) {
