@@ -100,6 +100,20 @@ def test_attention_sized_products_match_float64_and_ignore_masked_keys(path):
             assert np.array_equal(np.array(x[:m] @ kq[:50].T), all_rows[:m, :50]), m
 
 
+def test_one_row_passed_as_a_column_runs_in_the_kernel():
+    """MLX may pass a single row as a transposed column (lda = 1): the same memory, so the kernel takes it."""
+    if not have_path():
+        pytest.skip("small-GEMM library not built on this machine")
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((110, 64), dtype=np.float32)
+    x = np.ascontiguousarray(rng.random((9, 110), dtype=np.float32)[4:5, np.r_[0:50, 60:110]])
+    fast = small_gemm_calls()[0]
+    got = np.array(mx.array(x) @ mx.array(np.ascontiguousarray(w[np.r_[0:50, 60:110]])))
+    assert small_gemm_calls()[0] > fast
+    ref = x.astype(np.float64) @ w[np.r_[0:50, 60:110]].astype(np.float64)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
 def _path(path: str):
     """The kernel's best path for this CPU, or its AVX2 + FMA path."""
     return small_gemm_avx2() if path == "avx2" else contextlib.nullcontext()
