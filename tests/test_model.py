@@ -93,3 +93,38 @@ def test_a_one_token_prompt_runs_and_matches_mlx_lm(target):
     ids = mx.array([[1]])
     ours, _ = target.model(ids, target.model.make_cache(8))
     assert mx.abs(ours - mlx_lm_model(target)(ids)).max().item() <= 1e-4
+
+
+def test_compiled_layers_give_the_same_bits_as_the_modules(target, chat_ids):
+    """On a CPU each layer's work around attention runs as two compiled functions (`CompiledLayer`): logits and
+    hidden states equal the modules' own path bit for bit, for one row and for rows of a batch cache, at a step's
+    sizes and past the compiled sizes (a prefill)."""
+    from mlx_redrafter.batch.cache import RowsCache
+
+    m = target.model
+    assert all(layer.compiled is not None for layer in m.model.layers)
+    ids = mx.array([chat_ids[1][:80]])
+
+    def forward(on: bool, n: int, rows: int) -> list:
+        m.compile_layers(on)
+        try:
+            one = m.make_cache(160)
+            mx.eval(m(ids[:, :20], one))
+            one.advance(20)
+            if rows == 1:
+                return [*m(ids[:, 20 : 20 + n], one)]
+            batch = RowsCache(m.args.num_hidden_layers, 160)
+            for _ in range(rows):
+                batch.join(one)
+            tokens = mx.broadcast_to(ids[:, 20 : 20 + n], (rows, n))
+            positions = mx.broadcast_to(mx.arange(20, 20 + n), (rows, n))
+            mask = mx.concatenate([mx.broadcast_to(batch.context_mask()[:, None, :], (rows, n, 20)),
+                                   mx.broadcast_to(mx.tril(mx.ones((n, n), dtype=mx.bool_)), (rows, n, n))],
+                                  axis=2)[:, None]
+            return [*m(tokens, batch, positions, mask)]
+        finally:
+            m.compile_layers(True)
+
+    for n, rows in [(1, 1), (3, 1), (9, 1), (1, 3), (4, 3), (60, 1)]:
+        for a, b in zip(forward(False, n, rows), forward(True, n, rows)):
+            assert mx.array_equal(a, b).item(), (n, rows)
