@@ -265,35 +265,28 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.compiled: CompiledLayer | None = None  # see Model.compile_layers
 
     def __call__(self, x, shape, rope, mask, cache, layer):
-        if self.compiled is not None and shape[1] <= CompiledLayer.MAX_TOKENS and self.compiled.usable(self):
-            a, p = self.self_attn, self.mlp
-            q, k, v = self.compiled.before(x, self.input_layernorm.weight, a.qkv.weight_t, *rope)
-            keys, values = cache.write(layer, k, v)
-            out = attention(q, keys, values, a.scale, mask)
-            return self.compiled.after(x, out, a.o.weight_t, self.post_attention_layernorm.weight,
-                                       p.gate_up.weight_t, p.down.weight_t)
         h = x + self.self_attn(self.input_layernorm(x), shape, rope, mask, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class CompiledLayer:
-    """On a CPU, a layer's work before attention (norm, q/k/v, rotation) and after it (output product, residual,
+    """On a CPU, every layer's work before attention (norm, q/k/v, rotation) and after it (output product, residual,
     norm, MLP, residual) as two compiled functions, traced once per input shape (a forward of N tokens has the same
     shapes at every step; the attention between them reads the cache, whose length changes, and stays as it is).
     Python then builds ~3 graph nodes for each where it built ~30, and the compiled graph fuses the elementwise
-    work; the arithmetic and its order are those of the modules' own path (same bits). Used where every product of
-    the layer is a bias-free fused one (`Model.fuse_projections`) and the device is the CPU, for calls of up to
+    work; the arithmetic and its order are those of the modules' own path (same bits). Used for calls of up to
     `MAX_TOKENS` tokens per row (decoding, verification, drafting data; prefills of every length would each trace
-    anew, for a building cost they do not notice)."""
+    anew, for a building cost they do not notice), on the CPU, while every layer's products are the bias-free fused
+    ones (`Model.fuse_projections`) and no weight it reads has been replaced since it was built."""
 
     MAX_TOKENS = 64
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, blocks: list[TransformerBlock]):
         h, h_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         eps, inv_dim, hidden = args.rms_norm_eps, 1.0 / args.hidden_size, args.intermediate_size
+        self.scale = args.head_dim**-0.5
 
         def before(x, norm_w, qkv_t, cos, sin):
             B, N = cos.shape[:2]
@@ -308,14 +301,33 @@ class CompiledLayer:
             return h1 + _silu_mul_cpu(g, u) @ down_t
 
         self.before, self.after = mx.compile(before), mx.compile(after)
+        self.weights: list[tuple[mx.array, ...]] | None = []  # per layer: what its two functions read
+        self.held: list[tuple[nn.Module, mx.array]] = []  # (module, its weight when built): checked every call
+        for b in blocks:
+            a, p = b.self_attn, b.mlp
+            fused = (a.qkv, a.o, p.gate_up, p.down)
+            if any(f is None or f.bias is not None for f in fused) or len(p.gate_up.splits) != 1:
+                self.weights = None
+                break
+            self.weights.append((b.input_layernorm.weight, a.qkv.weight_t, a.o.weight_t,
+                                 b.post_attention_layernorm.weight, p.gate_up.weight_t, p.down.weight_t))
+            self.held += [pair for f in fused for pair in zip(f.layers, f.views)]
+            self.held += [(b.input_layernorm, b.input_layernorm.weight),
+                          (b.post_attention_layernorm, b.post_attention_layernorm.weight)]
 
-    @staticmethod
-    def usable(block: TransformerBlock) -> bool:
-        """Whether `block` can run through the compiled functions now."""
-        a, p = block.self_attn, block.mlp
-        fused = (a.qkv, a.o, p.gate_up, p.down)
-        return (mx.default_device() == mx.cpu and all(f is not None and f.current() and f.bias is None for f in fused)
-                and len(p.gate_up.splits) == 1)
+    def usable(self, tokens: int) -> bool:
+        """Whether a call of `tokens` tokens per row runs through the compiled functions now."""
+        return (self.weights is not None and tokens <= self.MAX_TOKENS and mx.default_device() == mx.cpu
+                and all(module["weight"] is w for module, w in self.held))
+
+    def __call__(self, layer: int, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None,
+                 cache: KVCache) -> mx.array:
+        """Layer `layer` on x (B * N, dim) -> (B * N, dim), as `TransformerBlock` computes it."""
+        norm1, qkv_t, o_t, norm2, gate_up_t, down_t = self.weights[layer]
+        q, k, v = self.before(x, norm1, qkv_t, *rope)
+        keys, values = cache.write(layer, k, v)
+        out = attention(q, keys, values, self.scale, mask)
+        return self.after(x, out, o_t, norm2, gate_up_t, down_t)
 
 
 class LlamaModel(nn.Module):
@@ -336,6 +348,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._inv_freq, self._position_scale = inverse_frequencies(args)  # underscore: not parameters
+        self.compiled: CompiledLayer | None = None  # see compile_layers
 
     def make_cache(self, capacity: int) -> KVCache:
         """An empty KV cache for this model, pre-sized for `capacity` positions (it grows if needed)."""
@@ -361,9 +374,7 @@ class Model(nn.Module):
         """Run each layer's work around attention as compiled functions where it can (`CompiledLayer`; on by
         default after `fuse_projections`), or, with `on` False, through the modules one operation at a time. Both
         give the same bits."""
-        compiled = CompiledLayer(self.args) if on else None
-        for layer in self.model.layers:
-            layer.compiled = compiled
+        self.compiled = CompiledLayer(self.args, self.model.layers) if on else None
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -411,8 +422,9 @@ class Model(nn.Module):
             mask = grouped_mask(mask, self.args.num_attention_heads // self.args.num_key_value_heads, N)
         x = self.embed(tokens).reshape(B * N, -1)  # (B * N, H): two-dimensional products, fewer graph nodes
         rope = self.rope(positions, x.dtype)
+        compiled = self.compiled if self.compiled is not None and self.compiled.usable(N) else None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, (B, N), rope, mask, cache, i)
+            x = layer(x, (B, N), rope, mask, cache, i) if compiled is None else compiled(i, x, rope, mask, cache)
         hidden = self.model.norm(x).reshape(B, N, -1)  # (B, N, H) post-norm: what the drafter consumes
         return self.logits(hidden[:, -1:] if last_only else hidden), hidden
 

@@ -100,9 +100,10 @@ def test_compiled_layers_give_the_same_bits_as_the_modules(target, chat_ids):
     hidden states equal the modules' own path bit for bit, for one row and for rows of a batch cache, at a step's
     sizes and past the compiled sizes (a prefill)."""
     from mlx_redrafter.batch.cache import RowsCache
+    from mlx_redrafter.model import CompiledLayer
 
     m = target.model
-    assert all(layer.compiled is not None for layer in m.model.layers)
+    assert m.compiled is not None and m.compiled.usable(1)
     ids = mx.array([chat_ids[1][:80]])
 
     def forward(on: bool, n: int, rows: int) -> list:
@@ -128,3 +129,12 @@ def test_compiled_layers_give_the_same_bits_as_the_modules(target, chat_ids):
     for n, rows in [(1, 1), (3, 1), (9, 1), (1, 3), (4, 3), (60, 1)]:
         for a, b in zip(forward(False, n, rows), forward(True, n, rows)):
             assert mx.array_equal(a, b).item(), (n, rows)
+
+    norm = m.model.layers[0].input_layernorm
+    kept = norm.weight
+    norm.weight = kept * 1  # the same values, another array: the compiled layers would read the old one
+    try:
+        assert not m.compiled.usable(1)
+    finally:
+        norm.weight = kept
+    assert m.compiled.usable(1) and not m.compiled.usable(CompiledLayer.MAX_TOKENS + 1)
