@@ -162,6 +162,11 @@ def grouped_mask(mask: mx.array, group: int, n: int) -> mx.array:
     return mx.tile(mask, (1, 1, group, 1))
 
 
+def held(pairs: list[tuple[nn.Module, mx.array]]) -> bool:
+    """Whether every module still holds the weight it held when paired with it (not replaced since)."""
+    return all(module["weight"] is w for module, w in pairs)
+
+
 class FusedLinear:
     """One or several bias-free or all-biased `nn.Linear`s over the same input as one matrix product with a
     pre-transposed weight: fewer, larger products (one pass over the weights instead of several) and fewer graph
@@ -184,7 +189,7 @@ class FusedLinear:
                 layer.bias = self.bias[start : start + n]
             start += n
         mx.eval([layer.parameters() for layer in layers])
-        self.views = [layer.weight for layer in layers]
+        self.held = [(layer, layer.weight) for layer in layers]  # each layer with the view it must still hold
 
     @staticmethod
     def supported(layers: list[nn.Module]) -> bool:
@@ -194,7 +199,7 @@ class FusedLinear:
                 and len({"bias" in layer for layer in layers}) == 1)
 
     def current(self) -> bool:
-        return all(layer["weight"] is w for layer, w in zip(self.layers, self.views))
+        return held(self.held)
 
     def product(self, x: mx.array) -> mx.array:
         """x @ (the layers' weights, stacked)^T (+ bias): every layer's outputs side by side."""
@@ -311,14 +316,14 @@ class CompiledLayer:
                 break
             self.weights.append((b.input_layernorm.weight, a.qkv.weight_t, a.o.weight_t,
                                  b.post_attention_layernorm.weight, p.gate_up.weight_t, p.down.weight_t))
-            self.held += [pair for f in fused for pair in zip(f.layers, f.views)]
+            self.held += [pair for f in fused for pair in f.held]
             self.held += [(b.input_layernorm, b.input_layernorm.weight),
                           (b.post_attention_layernorm, b.post_attention_layernorm.weight)]
 
     def usable(self, tokens: int) -> bool:
         """Whether a call of `tokens` tokens per row runs through the compiled functions now."""
         return (self.weights is not None and tokens <= self.MAX_TOKENS and mx.default_device() == mx.cpu
-                and all(module["weight"] is w for module, w in self.held))
+                and held(self.held))
 
     def __call__(self, layer: int, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None,
                  cache: KVCache) -> mx.array:

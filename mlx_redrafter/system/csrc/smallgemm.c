@@ -238,15 +238,14 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
     /* Products too small for a BLAS call to pay its own overhead (attention's, per batch row and KV head: a few
        microseconds each in the BLAS for under one of arithmetic) run here on one thread. */
     int tiny = (long)M * N * K <= TINY_PRODUCT;
-    if (enabled && layout == RowMajor && ta == NoTrans && tb == NoTrans && alpha == 1.0f && beta == 0.0f && tiny &&
-        M >= 1 && K >= 1 && N % 16 == 0 && N <= 256 && usable()) {
+    int plain = enabled && layout == RowMajor && ta == NoTrans && alpha == 1.0f && beta == 0.0f && M >= 1 && usable();
+    if (plain && tb == NoTrans && tiny && K >= 1 && N % 16 == 0 && N <= 256) {
         fast_calls++;
         (has_avx512() ? xw512 : xw256)(A, B, C, M, N, K, lda, ldb, ldc);
         return;
     }
-    if (enabled && layout == RowMajor && ta == NoTrans && tb == Trans && alpha == 1.0f && beta == 0.0f && M >= 1 &&
-        M <= (has_avx512() ? MAX_ROWS_AVX512 : 16) && K % 16 == 0 && lda == K && ldb == K &&
-        ((long)N * K >= 65536 || tiny) && usable()) {
+    if (plain && tb == Trans && M <= (has_avx512() ? MAX_ROWS_AVX512 : 16) && K % 16 == 0 && lda == K && ldb == K &&
+        ((long)N * K >= 65536 || tiny)) {
         fast_calls++;
         int T = n_threads;
         if (T <= 1 || (long)N * K < 262144) {
