@@ -58,7 +58,7 @@ def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": f"Name {k + 2} animals that live in {c}.", "source": "oasst"})
                                + "\n" for k, c in enumerate(["deserts", "forests", "oceans", "caves"] * 65)))
     corpus, job, result = tmp_path / "corpus", tmp_path / "job", tmp_path / "result"
-    prepare(job, prompts, corpus)
+    prepare(job, prompts, corpus, write_gguf=False)
     with np.load(job / "job.npz") as z:
         mine = [(int(r), z["t1_tok"][a:b].tolist())
                 for j, r, a, b in zip(z["t1_job"], z["t1_row"], z["t1_off"][:-1], z["t1_off"][1:]) if j == 1]
@@ -76,3 +76,19 @@ def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
     assert entry["engine"] == ENGINE and entry["device"] == "test" and entry["new_tokens_per_s"] == 6.0
     shard = c.shard("shard-00001.npz")
     assert sorted(shard.sequence(i).tolist() for i in range(4)) == sorted(p + [p[-1], 7, eos] for _, p in mine)
+
+
+def test_a_grown_drafter_drafts_what_it_grew_from():
+    import torch
+
+    from bench.torch_ref.cuda_job import VARIANTS, grown
+    from bench.torch_ref.drafter import TorchDrafter, random_torch_drafter
+
+    d = random_torch_drafter(16, 40, exit_dim=12, num_draft_layers=2)
+    w, cfg = grown(d.state_dict(), d.cfg, VARIANTS["soft-deep"].extra_layers)
+    g = TorchDrafter(cfg)
+    g.load_state_dict(w, strict=True)
+    assert cfg["num_draft_layers"] == 2 + VARIANTS["soft-deep"].extra_layers
+    h, s = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(g.logits(h, s), d.logits(h, s))

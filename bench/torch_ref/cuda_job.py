@@ -14,10 +14,10 @@ numpy and safetensors only):
 comparison with MLX here; (2) the target's greedy answers (float32, TF32 off) to every missing turn-1 prompt of the
 plan, then to its turn-2 prompts (each a finished turn-1 sequence + a follow-up), in left-padded batches that drop
 finished rows, as `train/greedy.py` does; (3) one teacher-forced float32 pass over every train and held-out
-sequence (hidden states at context positions + the target's top-8 labels, as `train/features.py` does); (4) two
-warm-started drafters trained side by side on the same batches until the budget ends, one on hard labels (the
-target's top-1) and one on soft labels (its top-8, renormalized within the head), with held-out top-1 accuracy
-per draft step before and after (the same measure as `train/loop.py`'s `evaluate`).
+sequence (hidden states at context positions + the target's top-8 labels, as `train/features.py` does), and over
+the fixed-text corpus where a variant asks for it; (4) warm-started drafters trained side by side until the budget
+ends, one per variant of `VARIANTS` (labels, data, shape), with held-out top-1 accuracy per draft step before and
+after (the same measure as `train/loop.py`'s `evaluate`).
 """
 
 from __future__ import annotations
@@ -26,21 +26,42 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-GGUF_PARTS = 5  # the GGUF travels in parts: one call's working tree is limited (64 MiB)
+GGUF_PARTS = 3  # the GGUF travels xz-compressed in parts: one call's working tree is limited (64 MiB)
 TOP_K = 8  # labels kept per context position (train/features.py)
 EVAL_POSITIONS = 4096  # held-out context positions evaluated (train/loop.py)
 ENGINE = ("PyTorch CUDA float32 (transformers LlamaForCausalLM from the same GGUF, TF32 off), "
           "bench/torch_ref/cuda_job.py")
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One drafter of a run: its labels, its data, and how its shape grows from the starting weights."""
+
+    labels: str  # "hard": the target's top-1; "soft": its top-8 renormalized within the head
+    text: bool = False  # also train on the fixed-text corpus (teacher-forced; the target's labels, never the text's)
+    extra_layers: int = 0  # ResBlocks appended before the head, each starting as the identity
+
+
+VARIANTS = {
+    "hard": Variant("hard"),
+    "soft": Variant("soft"),
+    "soft-text": Variant("soft", text=True),
+    "soft-deep": Variant("soft", extra_layers=2),
+}
+
+
 # ----------------------------------------------------------------------------------------------------------- here
-def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int = 16) -> None:
-    """Write the job spec (`job.json`, `job.npz`) and the target's GGUF in parts into `job_dir`."""
+def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int = 16, from_end: bool = False,
+            max_shards: int | None = None, text_corpus: Path | None = None, write_gguf: bool = True) -> None:
+    """Write the job spec (`job.json`, `job.npz`) and the target's GGUF (xz, in parts) into `job_dir`; `from_end`:
+    the plan's last shards first (the CPU's data job works from the front, so the two do not make the same shard);
+    `max_shards`: at most that many shards in the job (a smaller job.npz)."""
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
     from mlx_redrafter.train.corpus import Corpus
@@ -52,6 +73,9 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     s = src.settings
     corpus = Corpus(corpus_dir, target.model.args.vocab_size)
     todo = [j for j in src.jobs() if corpus.check(j.name) is not None]
+    if from_end:
+        todo = todo[::-1]
+    todo = todo[:max_shards]
     t1_job, t1_row, t1_ids, t2_job, t2_row, t2_follow, t2_fixed = [], [], [], [], [], [], []
     done_parents = set()
     for job in todo:
@@ -94,19 +118,32 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
              follow_tok=fol_tok, follow_off=fol_off, parity_tok=par_tok, parity_off=par_off)
     gguf = Path(target.path)
     data = gguf.read_bytes()
-    cut = [len(data) * k // GGUF_PARTS for k in range(GGUF_PARTS + 1)]
-    for k in range(GGUF_PARTS):
-        (job_dir / f"gguf.{k}").write_bytes(data[cut[k]:cut[k + 1]])
+    if write_gguf:
+        import lzma
+
+        packed = lzma.compress(data, preset=0)
+        cut = [len(packed) * k // GGUF_PARTS for k in range(GGUF_PARTS + 1)]
+        for k in range(GGUF_PARTS):
+            (job_dir / f"gguf.xz.{k}").write_bytes(packed[cut[k]:cut[k + 1]])
     import hashlib
 
     spec = {"gguf_name": gguf.name, "gguf_sha256": hashlib.sha256(data).hexdigest(), "eos_ids": tok.eos_ids,
             "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
             "corpus": str(corpus_dir), "jobs": [j.name for j in todo], "turn1_prompts": len(t1_row),
             "turn2_rows": len(t2_row), "turn2_fixed": len(fixed), "parity_prompts": len(parity),
-            "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m"}
+            "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m",
+            "text_corpus": str(text_corpus) if text_corpus else None}
     (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
     print(f"{job_dir}: {len(todo)} shards to make: {len(t1_row)} turn-1 prompts, {len(t2_row)} turn-2 rows "
-          f"({len(fixed)} with their turn-1 sequence here); GGUF in {GGUF_PARTS} parts")
+          f"({len(fixed)} with their turn-1 sequence here); GGUF (xz) in {GGUF_PARTS} parts")
+
+
+def _fail(msg: str) -> None:
+    """One `error:` line, exit 2."""
+    import sys
+
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 # ---------------------------------------------------------------------------------------------------------- there
@@ -124,9 +161,11 @@ def load_model(job_dir: Path, spec: dict, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
-    data = b"".join((job_dir / f"gguf.{k}").read_bytes() for k in range(GGUF_PARTS))
+    import lzma
+
+    data = lzma.decompress(b"".join((job_dir / f"gguf.xz.{k}").read_bytes() for k in range(GGUF_PARTS)))
     if hashlib.sha256(data).hexdigest() != spec["gguf_sha256"]:
-        raise SystemExit("error: the GGUF parts do not add up to the prepared file: run prepare again")
+        _fail("the GGUF parts do not add up to the prepared file: run prepare again")
     folder = Path(tempfile.mkdtemp(prefix="cuda-job-"))
     (folder / spec["gguf_name"]).write_bytes(data)
     model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=spec["gguf_name"], dtype=torch.float32)
@@ -435,45 +474,67 @@ def evaluate(drafter: Any, embed: Any, feats: Features, lut: Any, T: int) -> dic
     return {"val_loss": round(float(loss), 4), "acc": [round(a, 4) for a in acc]}
 
 
+def grown(weights: dict[str, Any], cfg: dict[str, Any], extra_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Drafter weights and config with `extra_layers` ResBlocks appended before the head, each starting at zero
+    (x + SiLU(0) = x): the grown drafter drafts exactly what the given one does until training moves them."""
+    if extra_layers == 0:
+        return dict(weights), dict(cfg)
+    import torch
+
+    n, E = cfg["num_draft_layers"], cfg["exit_dim"]
+    out = {k: t for k, t in weights.items() if k != f"lm_head.{n}.weight"}
+    out[f"lm_head.{n + extra_layers}.weight"] = weights[f"lm_head.{n}.weight"]
+    for j in range(n, n + extra_layers):
+        out[f"lm_head.{j}.linear.weight"] = torch.zeros((E, E))
+        out[f"lm_head.{j}.linear.bias"] = torch.zeros(E)
+    return out, {**cfg, "num_draft_layers": n + extra_layers}
+
+
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
           t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("hard", "soft"),
-          init: Path | None = None) -> dict:
-    """Train one warm-started drafter per variant on the same batches until `deadline` (from `drafter_dir`'s
-    weights, or `init`'s); save each (fp16)."""
+          init: Path | None = None, greedy_contexts: int | None = None) -> dict:
+    """Train one warm-started drafter per variant (`VARIANTS`) until `deadline`, from `drafter_dir`'s weights or
+    `init`'s; save each (fp16, its config in the file's metadata). The variants without text draw their batches
+    from the first `greedy_contexts` context positions of `train_f` (the greedy answers), those with text from all
+    of them; variants that draw from the same positions see the same batches."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from bench.torch_ref.drafter import TorchDrafter
 
     device = train_f.hidden.device
-    cfg = json.loads((drafter_dir / "config.json").read_text())
+    base_cfg = json.loads((drafter_dir / "config.json").read_text())
     weights = load_file(str(init or drafter_dir / "model.safetensors"))
+    n_greedy = len(train_f) if greedy_contexts is None else greedy_contexts
     embed_w = model.model.embed_tokens.weight.detach().float()
 
     def embed(x: Any) -> Any:
         return embed_w[x]
 
-    models, opts = {}, {}
+    models, opts, cfgs = {}, {}, {}
     for v in variants:
-        d = TorchDrafter(cfg)
-        d.load_state_dict({k: (t.long() if k == "draft_vocab" else t.float()) for k, t in weights.items()},
-                          strict=True)
+        w, cfgs[v] = grown(weights, base_cfg, VARIANTS[v].extra_layers)
+        d = TorchDrafter(cfgs[v])
+        d.load_state_dict({k: (t.long() if k == "draft_vocab" else t.float()) for k, t in w.items()}, strict=True)
         models[v] = d.to(device).train()
         opts[v] = torch.optim.AdamW([p for p in d.parameters()], lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                     weight_decay=0.01)
-    lut = torch.full((cfg["vocab_size"],), -1, dtype=torch.long, device=device)
+    lut = torch.full((base_cfg["vocab_size"],), -1, dtype=torch.long, device=device)
     dv = models[variants[0]].draft_vocab
     lut[dv] = torch.arange(len(dv), device=device)
     report: dict[str, Any] = {"batch": batch, "lr": lr, "T": T, "init": str(init or drafter_dir),
-                              "train_contexts": len(train_f),
+                              "train_contexts": len(train_f), "greedy_contexts": n_greedy,
                               "train_sequences": train_f.sequences, "heldout_contexts": len(held_f),
                               "head_coverage": float((lut[train_f.top_ids[:, 0].long()] >= 0).float().mean()),
+                              "variants": {v: {**vars(VARIANTS[v]), "config": cfgs[v]} for v in variants},
                               "before": evaluate(models[variants[0]], embed, held_f, lut, T), "history": []}
-    _log(f"train: {len(train_f)} contexts ({train_f.sequences} sequences); before: {report['before']}", t0)
+    _log(f"train: {len(train_f)} contexts ({n_greedy} greedy, {train_f.sequences} sequences); "
+         f"before: {report['before']}", t0)
+
     def save(v: str) -> None:
         sd = {k: (t.int() if k == "draft_vocab" else t.half()).contiguous().cpu()
               for k, t in models[v].state_dict().items()}
-        save_file(sd, str(out / f".drafter_{v}.safetensors"))
+        save_file(sd, str(out / f".drafter_{v}.safetensors"), metadata={"config": json.dumps(cfgs[v])})
         (out / f".drafter_{v}.safetensors").replace(out / f"drafter_{v}.safetensors")
 
     warmup, total, step, losses = 100, None, 0, {v: [] for v in variants}
@@ -494,14 +555,18 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
         else:
             c = min((step - warmup) / max(total - warmup, 1), 1.0)
             f = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * c))
-        idx = torch.randint(0, len(train_f), (batch,), device=device, generator=gen).sort().values
-        b = train_f.batch(idx, T, lut)
-        emb = embed(b["x"])
+        batches = {}
+        for text in sorted({VARIANTS[v].text for v in variants}):
+            idx = torch.randint(0, len(train_f) if text else n_greedy, (batch,), device=device,
+                                generator=gen).sort().values
+            b = train_f.batch(idx, T, lut)
+            batches[text] = (b, embed(b["x"]))
         for v in variants:
+            b, emb = batches[VARIANTS[v].text]
             for group in opts[v].param_groups:
                 group["lr"] = lr * f
             logits = teacher_forced_logits(models[v], b["h"], emb)
-            loss = loss_of(logits, b, soft=(v == "soft"))
+            loss = loss_of(logits, b, soft=(VARIANTS[v].labels == "soft"))
             opts[v].zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(models[v].parameters(), 1.0)
@@ -521,7 +586,7 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
                 save(v)
     report["steps"] = step
     report["positions_seen"] = step * batch
-    report["epochs"] = round(step * batch / max(len(train_f), 1), 3)
+    report["epochs"] = round(step * batch / max(n_greedy, 1), 3)
     report["train_s"] = round(time.perf_counter() - ts, 1)
     for v in variants:
         models[v].eval()
@@ -585,10 +650,15 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     tf = time.perf_counter()
     seqs = corpus_sequences(Path(spec["corpus"]), limit)
     new = [(np.asarray(p + r, np.int64), len(p)) for p, r in got.values() if r]
-    train_f = Features(model, seqs["train"] + new, device)
+    text: list[tuple[np.ndarray, int]] = []
+    if any(VARIANTS[v].text for v in variants):  # the fixed text's train shards; its held-out shard stays out
+        text = corpus_sequences(Path(spec["text_corpus"]), limit)["train"]
+    greedy_contexts = sum(len(s) - P for s, P in seqs["train"] + new)
+    train_f = Features(model, seqs["train"] + new + text, device)
     held_f = Features(model, seqs["heldout"], device)
     report["features"] = {"train_sequences": train_f.sequences, "train_contexts": len(train_f),
-                          "new_sequences": len(new), "heldout_contexts": len(held_f),
+                          "greedy_contexts": greedy_contexts, "new_sequences": len(new),
+                          "text_sequences": len(text), "heldout_contexts": len(held_f),
                           "seconds": round(time.perf_counter() - tf, 1)}
     _log(f"features: {report['features']}", t0)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -596,7 +666,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     # (4) training until the budget's end (a margin for evaluation and saving)
     torch.backends.cuda.matmul.allow_tf32 = True
     report["train"] = train(model, train_f, held_f, Path(spec["drafter"]), out, t0 + budget_s - 20, t0, batch, lr,
-                            variants=variants, init=init)
+                            variants=variants, init=init, greedy_contexts=greedy_contexts)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     _log("done", t0)
@@ -638,6 +708,29 @@ def land(result_dir: Path, prompts_file: Path, corpus_dir: Path) -> None:
             return made
 
     grow(CudaAnswers(target, prompts_file), target, corpus_dir, progress=False)
+    drafter_folders(result_dir, Path("runs/cuda") / result_dir.name)
+
+
+def drafter_folders(result_dir: Path, dest: Path) -> list[Path]:
+    """Each `drafter_<variant>.safetensors` of a run as an MLX drafter folder `dest/<variant>/` (config.json from
+    the file's metadata, else the shipped drafter's; model.safetensors as returned)."""
+    import shutil
+
+    from safetensors import safe_open
+
+    shipped = Path("mlx_redrafter/drafters/smollm2-135m/config.json")
+    made = []
+    for f in sorted(result_dir.glob("drafter_*.safetensors")):
+        with safe_open(str(f), "np") as st:
+            cfg = (st.metadata() or {}).get("config")
+        folder = dest / f.stem.removeprefix("drafter_")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(json.loads(cfg), indent=2) + "\n" if cfg
+                                            else shipped.read_text())
+        shutil.copyfile(f, folder / "model.safetensors")
+        made.append(folder)
+        print(f"{folder}: drafter ({f.name})")
+    return made
 
 
 def parity(result_dir: Path, job_dir: Path) -> dict[str, Any]:
@@ -701,6 +794,10 @@ def _main() -> None:
     p.add_argument("--job", type=Path, default=Path(".gpu"))
     p.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
     p.add_argument("--corpus", type=Path, default=Path("data/corpus/smollm2-135m"))
+    p.add_argument("--text-corpus", type=Path, default=Path("data/corpus/smollm2-135m-text"),
+                   help="the fixed-text corpus the variants with text train on")
+    p.add_argument("--from-end", action="store_true", help="the plan's last shards first (a CPU data job beside)")
+    p.add_argument("--max-shards", type=int, default=None, help="at most this many shards in the job")
     r = sub.add_parser("run")
     r.add_argument("--job", type=Path, default=Path(".gpu"))
     r.add_argument("--out", type=Path, required=True)
@@ -711,7 +808,8 @@ def _main() -> None:
     r.add_argument("--batch", type=int, default=1024)
     r.add_argument("--lr", type=float, default=5e-4)
     r.add_argument("--gen-share", type=float, default=0.5)
-    r.add_argument("--variants", default="hard,soft", help="drafters trained side by side: hard, soft or both")
+    r.add_argument("--variants", default="hard,soft",
+                   help="drafters trained side by side, comma-separated: " + ", ".join(VARIANTS))
     r.add_argument("--init", type=Path, default=None, help="start from these drafter weights (same shape)")
     r.add_argument("--no-parity", action="store_true")
     m = sub.add_parser("land")
@@ -722,8 +820,13 @@ def _main() -> None:
     q.add_argument("result", type=Path)
     q.add_argument("--job", type=Path, default=Path(".gpu"))
     a = ap.parse_args()
+    if a.cmd == "run":
+        unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+        if unknown:
+            _fail(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     if a.cmd == "prepare":
-        prepare(a.job, a.prompts, a.corpus)
+        prepare(a.job, a.prompts, a.corpus, from_end=a.from_end, max_shards=a.max_shards,
+                text_corpus=a.text_corpus)
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.max_rows, a.batch, a.lr, a.gen_share,
             tuple(a.variants.split(",")), a.init, not a.no_parity)
