@@ -76,6 +76,8 @@ def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
     assert entry["engine"] == ENGINE and entry["device"] == "test" and entry["new_tokens_per_s"] == 6.0
     shard = c.shard("shard-00001.npz")
     assert sorted(shard.sequence(i).tolist() for i in range(4)) == sorted(p + [p[-1], 7, eos] for _, p in mine)
+    prepare(tmp_path / "back", prompts, tmp_path / "empty", from_end=True, max_shards=1, write_gguf=False)
+    assert json.loads((tmp_path / "back" / "job.json").read_text())["jobs"] == ["shard-00001.npz"]  # the last first
 
 
 def test_a_grown_drafter_drafts_what_it_grew_from():
