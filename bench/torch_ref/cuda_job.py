@@ -652,6 +652,8 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     new = [(np.asarray(p + r, np.int64), len(p)) for p, r in got.values() if r]
     text: list[tuple[np.ndarray, int]] = []
     if any(VARIANTS[v].text for v in variants):  # the fixed text's train shards; its held-out shard stays out
+        if not spec.get("text_corpus"):
+            _fail("a variant trains on fixed text but the job names no text corpus: run prepare again")
         text = corpus_sequences(Path(spec["text_corpus"]), limit)["train"]
     greedy_contexts = sum(len(s) - P for s, P in seqs["train"] + new)
     train_f = Features(model, seqs["train"] + new + text, device)
