@@ -715,20 +715,24 @@ def land(result_dir: Path, prompts_file: Path, corpus_dir: Path) -> None:
 
 def drafter_folders(result_dir: Path, dest: Path) -> list[Path]:
     """Each `drafter_<variant>.safetensors` of a run as an MLX drafter folder `dest/<variant>/` (config.json from
-    the file's metadata, else the shipped drafter's; model.safetensors as returned)."""
+    the file's metadata; a file without one, from an earlier run, gets the shipped drafter's config with the
+    ResBlock count its weights have; model.safetensors as returned)."""
     import shutil
 
     from safetensors import safe_open
 
-    shipped = Path("mlx_redrafter/drafters/smollm2-135m/config.json")
+    from mlx_redrafter.shipped import shipped_folder
+
+    shipped = json.loads((shipped_folder("smollm2-135m") / "config.json").read_text())
     made = []
     for f in sorted(result_dir.glob("drafter_*.safetensors")):
         with safe_open(str(f), "np") as st:
-            cfg = (st.metadata() or {}).get("config")
+            meta = (st.metadata() or {}).get("config")
+            layers = sum(k.startswith("lm_head.") and k.endswith(".linear.weight") for k in st.keys())
+        cfg = json.loads(meta) if meta else {**shipped, "num_draft_layers": layers}
         folder = dest / f.stem.removeprefix("drafter_")
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(json.loads(cfg), indent=2) + "\n" if cfg
-                                            else shipped.read_text())
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         shutil.copyfile(f, folder / "model.safetensors")
         made.append(folder)
         print(f"{folder}: drafter ({f.name})")
