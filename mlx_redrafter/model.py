@@ -217,6 +217,38 @@ def project(x: mx.array, fused: FusedLinear | None, layers: list[nn.Module]) -> 
     return [layer(x) for layer in layers]
 
 
+class Ragged:
+    """B rows of different numbers of new tokens (`sizes`) in one forward, without padding in the products.
+
+    The caller still gives tokens, positions and the mask padded to the longest row (B, N); the model runs every
+    per-token product (projections, MLP, vocabulary) on the T = sum(sizes) real tokens only, and only attention,
+    which reads each row's own keys, sees the padded (B, N) layout. A padding slot carries a copy of its row's
+    first token: its key is written to a scratch slot the row never commits and its query's output is dropped, so
+    the mask must let it see at least one key (its own slot). Each real token's arithmetic is what the padded
+    forward gives it. Outputs (logits, hidden) are flat (T, ...), row after row (`starts`)."""
+
+    def __init__(self, sizes: list[int]):
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"every row needs at least one token (sizes {sizes})")
+        self.sizes = list(sizes)
+        self.width = max(sizes)
+        self.starts = [int(x) for x in np.cumsum([0, *sizes[:-1]])]
+        self.total = int(sum(sizes))
+        spread = np.array([[s + (i if i < n else 0) for i in range(self.width)] for s, n in zip(self.starts, sizes)],
+                          dtype=np.int32)
+        self.spread = mx.array(spread)  # (B, N): the flat token each padded slot holds
+        self.gather = mx.array(np.concatenate([np.arange(n) + b * self.width for b, n in enumerate(sizes)])
+                               .astype(np.int32))  # (T,): each real token's padded slot
+
+    def flat(self, x: mx.array) -> mx.array:
+        """(B, N, ...) -> (T, ...): the real tokens only, row after row."""
+        return x.reshape(-1, *x.shape[2:])[self.gather]
+
+    def padded(self, x: mx.array) -> mx.array:
+        """(T, ...) -> (B, N, ...): every row padded to the longest with copies of its first token."""
+        return x[self.spread]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -231,11 +263,13 @@ class Attention(nn.Module):
         self.o: FusedLinear | None = None
 
     def __call__(self, x: mx.array, shape: tuple[int, int], rope: tuple[mx.array, mx.array], mask: mx.array | None,
-                 cache: KVCache, layer: int) -> mx.array:
-        """x (B * N, dim) -> (B * N, dim) for B rows of N new tokens."""
+                 cache: KVCache, layer: int, ragged: Ragged | None = None) -> mx.array:
+        """x (B * N, dim) -> (B * N, dim) for B rows of N new tokens; with `ragged`, x (T, dim) -> (T, dim)."""
         B, N = shape
         cos, sin = rope
         h, h_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if ragged is not None:
+            return self._ragged(x, rope, mask, cache, layer, ragged)
         if self.qkv is not None and self.qkv.current():  # q and k rotated as one array
             qk, v = mx.split(self.qkv.product(x), [(h + h_kv) * D], axis=-1)
             q, k = mx.split(apply_rope(qk.reshape(B, N, h + h_kv, D), cos, sin), [h], axis=2)
@@ -246,6 +280,23 @@ class Attention(nn.Module):
         keys, values = cache.write(layer, k.transpose(0, 2, 1, 3), v.reshape(B, N, h_kv, D).transpose(0, 2, 1, 3))
         out = attention(q.transpose(0, 2, 1, 3), keys, values, self.scale, mask)  # (B, h, N, D)
         return project(out.transpose(0, 2, 1, 3).reshape(B * N, -1), self.o, [self.o_proj])[0]
+
+    def _ragged(self, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None, cache: KVCache,
+                layer: int, ragged: Ragged) -> mx.array:
+        """The same layer over the real tokens of ragged rows: rope (T, 1, D/2) each."""
+        T, (cos, sin) = x.shape[0], rope
+        h, h_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qkv is not None and self.qkv.current():
+            qk, v = mx.split(self.qkv.product(x), [(h + h_kv) * D], axis=-1)
+            q, k = mx.split(ragged.padded(apply_rope(qk.reshape(T, h + h_kv, D), cos, sin)), [h], axis=2)
+        else:
+            q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            q = ragged.padded(apply_rope(q.reshape(T, h, D), cos, sin))
+            k = ragged.padded(apply_rope(k.reshape(T, h_kv, D), cos, sin))
+        v = ragged.padded(v.reshape(T, h_kv, D))
+        keys, values = cache.write(layer, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        out = attention(q.transpose(0, 2, 1, 3), keys, values, self.scale, mask)  # (B, h, N, D)
+        return project(ragged.flat(out.transpose(0, 2, 1, 3)).reshape(T, -1), self.o, [self.o_proj])[0]
 
 
 class MLP(nn.Module):
@@ -271,8 +322,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x, shape, rope, mask, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), shape, rope, mask, cache, layer)
+    def __call__(self, x, shape, rope, mask, cache, layer, ragged=None):
+        h = x + self.self_attn(self.input_layernorm(x), shape, rope, mask, cache, layer, ragged)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -305,7 +356,20 @@ class CompiledLayer:
             g, u = mx.split(_rms_norm_compiled(h1, norm_w, eps, inv_dim) @ gate_up_t, [hidden], axis=-1)
             return h1 + _silu_mul_cpu(g, u) @ down_t
 
+        def before_ragged(x, norm_w, qkv_t, cos, sin, spread):  # x (T, dim), cos (T, 1, D/2), spread (B, N)
+            qk, v = mx.split(_rms_norm_compiled(x, norm_w, eps, inv_dim) @ qkv_t, [(h + h_kv) * D], axis=-1)
+            q, k = mx.split(apply_rope(qk.reshape(x.shape[0], h + h_kv, D), cos, sin)[spread], [h], axis=2)
+            return (q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                    v.reshape(x.shape[0], h_kv, D)[spread].transpose(0, 2, 1, 3))
+
+        def after_ragged(x, out, gather, o_t, norm_w, gate_up_t, down_t):  # out (B, h, N, D), gather (T,)
+            B, _, N, _ = out.shape
+            h1 = x + out.transpose(0, 2, 1, 3).reshape(B * N, -1)[gather] @ o_t
+            g, u = mx.split(_rms_norm_compiled(h1, norm_w, eps, inv_dim) @ gate_up_t, [hidden], axis=-1)
+            return h1 + _silu_mul_cpu(g, u) @ down_t
+
         self.before, self.after = mx.compile(before), mx.compile(after)
+        self.before_ragged, self.after_ragged = mx.compile(before_ragged), mx.compile(after_ragged)
         self.weights: list[tuple[mx.array, ...]] | None = []  # per layer: what its two functions read
         self.held: list[tuple[nn.Module, mx.array]] = []  # (module, its weight when built): checked every call
         for b in blocks:
@@ -326,13 +390,19 @@ class CompiledLayer:
                 and held(self.held))
 
     def __call__(self, layer: int, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None,
-                 cache: KVCache) -> mx.array:
-        """Layer `layer` on x (B * N, dim) -> (B * N, dim), as `TransformerBlock` computes it."""
+                 cache: KVCache, ragged: Ragged | None = None) -> mx.array:
+        """Layer `layer` on x (B * N, dim) -> (B * N, dim) (ragged rows: (T, dim) -> (T, dim)), as
+        `TransformerBlock` computes it."""
         norm1, qkv_t, o_t, norm2, gate_up_t, down_t = self.weights[layer]
-        q, k, v = self.before(x, norm1, qkv_t, *rope)
+        if ragged is None:
+            q, k, v = self.before(x, norm1, qkv_t, *rope)
+        else:
+            q, k, v = self.before_ragged(x, norm1, qkv_t, *rope, ragged.spread)
         keys, values = cache.write(layer, k, v)
         out = attention(q, keys, values, self.scale, mask)
-        return self.after(x, out, o_t, norm2, gate_up_t, down_t)
+        if ragged is None:
+            return self.after(x, out, o_t, norm2, gate_up_t, down_t)
+        return self.after_ragged(x, out, ragged.gather, o_t, norm2, gate_up_t, down_t)
 
 
 class LlamaModel(nn.Module):
@@ -417,6 +487,7 @@ class Model(nn.Module):
         positions: mx.array | None = None,  # (B, N) int; default cache.offset + arange(N)
         mask: mx.array | None = None,  # (B|1, 1, N, cache.offset + N) bool; default causal
         last_only: bool = False,  # logits of the last position only (hidden states are always all)
+        ragged: Ragged | None = None,  # rows of different lengths: outputs (T, ...) of the real tokens
     ) -> tuple[mx.array, mx.array]:
         B, N = tokens.shape
         if positions is None:
@@ -427,9 +498,15 @@ class Model(nn.Module):
             mask = grouped_mask(mask, self.args.num_attention_heads // self.args.num_key_value_heads, N)
         x = self.embed(tokens).reshape(B * N, -1)  # (B * N, H): two-dimensional products, fewer graph nodes
         rope = self.rope(positions, x.dtype)
+        if ragged is not None:
+            x, rope = ragged.flat(x.reshape(B, N, -1)), tuple(ragged.flat(r) for r in rope)
         compiled = self.compiled if self.compiled is not None and self.compiled.usable(N) else None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, (B, N), rope, mask, cache, i) if compiled is None else compiled(i, x, rope, mask, cache)
+            x = (layer(x, (B, N), rope, mask, cache, i, ragged) if compiled is None
+                 else compiled(i, x, rope, mask, cache, ragged))
+        if ragged is not None:
+            hidden = self.model.norm(x)  # (T, H)
+            return self.logits(hidden), hidden
         hidden = self.model.norm(x).reshape(B, N, -1)  # (B, N, H) post-norm: what the drafter consumes
         return self.logits(hidden[:, -1:] if last_only else hidden), hidden
 

@@ -138,3 +138,45 @@ def test_compiled_layers_give_the_same_bits_as_the_modules(target, chat_ids):
     finally:
         norm.weight = kept
     assert m.compiled.usable(1) and not m.compiled.usable(CompiledLayer.MAX_TOKENS + 1)
+
+
+def test_ragged_rows_give_the_bits_of_the_padded_forward(target, chat_ids):
+    """Rows of different lengths in one forward (`Ragged`: the products see only the real tokens): each real
+    token's logits and hidden state equal the padded forward's bit for bit, compiled layers or modules; the
+    padding slots' keys land in scratch slots only."""
+    from mlx_redrafter.batch.cache import RowsCache
+    from mlx_redrafter.model import Ragged
+
+    m = target.model
+    sizes, N = [3, 1, 6, 2], 6
+    ids = chat_ids[1]
+    tril = mx.tril(mx.ones((N, N), dtype=mx.bool_))
+    own = mx.eye(N, dtype=mx.bool_)
+    tree = mx.stack([tril & (mx.arange(N) < n)[None, :] | (own & (mx.arange(N) >= n)[:, None]) for n in sizes])
+
+    def forward(on: bool, ragged: Ragged | None) -> tuple[mx.array, mx.array]:
+        m.compile_layers(on)
+        try:
+            batch = RowsCache(m.args.num_hidden_layers, 64)
+            for n in (12, 7, 20, 9):
+                one = m.make_cache(n)
+                m(mx.array([ids[:n]]), one)
+                one.advance(n)
+                batch.join(one)
+            tokens = mx.array([ids[30 + 7 * b : 30 + 7 * b + N] for b in range(len(sizes))])
+            positions = mx.array(batch.lengths)[:, None] + mx.arange(N)[None]
+            context = mx.broadcast_to(batch.context_mask()[:, None, :], (len(sizes), N, batch.offset))
+            mask = mx.concatenate([context, tree], axis=2)[:, None]
+            return m(tokens, batch, positions, mask, ragged=ragged)
+        finally:
+            m.compile_layers(True)
+
+    ragged = Ragged(sizes)
+    assert ragged.total == sum(sizes) and ragged.starts == [0, 3, 4, 10]
+    for on in (True, False):
+        logits, hidden = forward(on, None)
+        flat_logits, flat_hidden = forward(on, ragged)
+        assert flat_logits.shape[0] == flat_hidden.shape[0] == sum(sizes)
+        for b, (s, n) in enumerate(zip(ragged.starts, sizes)):
+            assert mx.array_equal(logits[b, :n], flat_logits[s : s + n]).item(), (on, b)
+            assert mx.array_equal(hidden[b, :n], flat_hidden[s : s + n]).item(), (on, b)

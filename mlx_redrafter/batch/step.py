@@ -2,8 +2,9 @@
 
     ar_step:           every row feeds its last token; every row decides one token.
     speculative_step:  draft (each row's own plan; a drafter the rows share drafts for all of them in one call)
-                       -> pack (a tree per row, padded to the widest) -> verify (one forward: per-row positions
-                       and masks) -> accept (per row) -> commit (per row; holes)
+                       -> pack (a tree per row) -> verify (one forward: per-row positions and masks; trees of
+                       different sizes run ragged, without padding in the products) -> accept (per row)
+                       -> commit (per row; holes)
 
 Rows never see each other: a row's queries attend to its own committed slots and its own tree; the padding of a
 narrower tree attends to the row's context and itself and is never read back. Each row's result is what the
@@ -19,7 +20,7 @@ import mlx.core as mx
 from mlx_redrafter.accept import accept
 from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.draft.base import DecodeState, Proposal, Slot, propose_rows
-from mlx_redrafter.model import Model
+from mlx_redrafter.model import Model, Ragged
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
 from mlx_redrafter.step import StepResult
 
@@ -28,7 +29,8 @@ from mlx_redrafter.step import StepResult
 class Row:
     """What a row brings to a step: its decode state, its draft plan and candidate length, its random stream and
     sampling settings. With `capped`, no candidate is longer than `length` (a context copy that keeps being
-    accepted may otherwise grow past it): the verify budget priced the step at that length."""
+    accepted may otherwise grow past it): the verify budget priced the step at that length; capped rows draft at
+    the longest capped length (rows sharing a drafter then draft in one call) and are cut to their own."""
 
     state: DecodeState
     plan: list[Slot]
@@ -58,7 +60,9 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     """Every row drafts by its own plan (`host`: what its host sources already proposed, `host_proposals`); one
     target call verifies every row's tree; each row keeps its longest accepted run. Syncs once at the end (the
     accepted tokens), and after drafting unless every row has one candidate (tree sizes)."""
-    proposals = propose_rows([r.plan for r in rows], [r.state for r in rows], [r.length for r in rows], host)  # draft
+    common = max((r.length for r in rows if r.capped), default=0)  # capped rows draft together, then are cut
+    proposals = propose_rows([r.plan for r in rows], [r.state for r in rows],
+                             [max(r.length, common) if r.capped else r.length for r in rows], host)  # draft
     proposals = [Proposal(p.candidates[:, : r.length], p.rows, min(p.chain, r.length)) if r.capped else p
                  for r, p in zip(rows, proposals)]
     if not all(p.chain for p in proposals):
@@ -75,13 +79,18 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     context = mx.broadcast_to(cache.context_mask()[:, None, :], (B, P, ctx))
     mask = mx.concatenate([context, tree_mask], axis=2)[:, None]
     positions = mx.array(cache.lengths, dtype=mx.int32)[:, None] + depth
-    logits, hidden = model(tokens, cache, positions, mask)  # verify
+    sizes = [t.size for t in trees]
+    ragged = Ragged(sizes) if len(set(sizes)) > 1 else None  # per-token work only on the real tokens
+    logits, hidden = model(tokens, cache, positions, mask, ragged=ragged)  # verify
+    if ragged is None:
+        logits, hidden = logits.reshape(B * P, -1), hidden.reshape(B * P, -1)
+    starts = ragged.starts if ragged is not None else [b * P for b in range(B)]
     outs = []
-    for b, (row, p, t) in enumerate(zip(rows, proposals, trees)):  # accept
+    for row, p, t, s in zip(rows, proposals, trees, starts):  # accept
         key = None if row.sampling.greedy else row.rng.next()
-        acc = accept(p.candidates, t, logits[b, : t.size], row.sampling, key)
+        acc = accept(p.candidates, t, logits[s : s + t.size], row.sampling, key)
         n_real = mx.cumprod(p.candidates >= 0, axis=1).sum()
-        outs.append((acc, hidden[b, acc.stop][None], t.tokens[acc.path], n_real))
+        outs.append((acc, hidden[s + acc.stop][None], t.tokens[acc.path], n_real))
     mx.eval([[a.n, a.path, a.next_token, h, d, a.matched, n] for a, h, d, n in outs])
     width = max(a.path.shape[0] for a, *_ in outs)
     paths = mx.stack([mx.pad(a.path, [(0, width - a.path.shape[0])]) for a, *_ in outs])
