@@ -297,19 +297,3 @@ def test_the_budget_prices_each_step_by_what_the_rows_draft_from():
     assert sum(n == 4 for n in copies) >= 0.9 * len(copies)
     assert sum(n == 1 for n in drafts) >= 0.9 * len(drafts)
 
-
-def test_the_budget_gives_each_row_its_own_length():
-    """No model needed. One row copies from its context (every draft accepted), three draft with the drafter
-    (every draft rejected); a drafted token costs a tenth of a plain step. The copying row gets the full length
-    and the others verify their own token only: a step's rows run ragged, so one long row costs its own tokens,
-    not the longest row's times the batch."""
-    curve = CostCurve({b: [1.0 + 0.1 * (p - 1) * b for p in range(1, 9)] for b in (1, 2, 4, 8)})
-    budget = Budget(4, curve, probe=1000, max_probe=1000)
-    for _ in range(4):
-        budget.join()
-    kinds = ["lookup", "rnn", "rnn", "rnn"]
-    for _ in range(30):
-        lengths = budget.lengths(kinds)
-        accepted = [n - 1 if k == "lookup" else 0 for n, k in zip(lengths, kinds)]
-        budget.observe(lengths, accepted, seconds=1.0 + 0.1 * (sum(lengths) - 4))
-    assert budget.lengths(kinds) == [4, 1, 1, 1]

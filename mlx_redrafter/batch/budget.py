@@ -1,4 +1,4 @@
-"""How many tokens each row of a batched step verifies: the candidate lengths that maximise the tokens the
+"""How many tokens each row of a batched step verifies: the candidate length that maximises the tokens the
 batch is expected to decide per second of target call.
 
 On a CPU (and a GPU at small batches) a forward over B rows of P tokens costs little more than over B rows of 1
@@ -7,9 +7,8 @@ with every token. Speculation spends that flat part: a row whose drafts are ofte
 candidate, a batch of rows whose drafts are rejected loses. `CostCurve` is that cost, measured on this machine for
 this model (`stored_curve` / `measured_curve`: measured once, at the first batched run, and kept beside the tuned
 settings; `python -m bench curve` measures and plots it); `Budget` reads it with each row's recent acceptance of
-the kind of draft it has this step (a context copy or the drafter's) and picks, every step, each row's candidate
-length (every row at 1 = a plain batched step: speculation backs off). Rows of different lengths run ragged, so a
-step costs what its T verified tokens cost, not B times its longest row.
+the kind of draft it has this step (a context copy or the drafter's) and picks, every step, one candidate length
+for the drafting rows (1 = a plain batched step: speculation backs off).
 """
 
 from __future__ import annotations
@@ -45,15 +44,6 @@ class CostCurve:
             return curve[tokens - 1] * scale
         slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
         return (curve[-1] + slope * (tokens - len(curve))) * scale
-
-    def total(self, rows: int, tokens: int) -> float:
-        """Seconds for `rows` rows verifying `tokens` tokens in all, the rows of different lengths (a ragged call:
-        its products cost what the real tokens cost): the curve at tokens / rows per row, linear between lengths."""
-        per_row = max(tokens / rows, 1.0)
-        low = int(per_row)
-        if per_row == low:
-            return self.cost(rows, low)
-        return self.cost(rows, low) + (per_row - low) * (self.cost(rows, low + 1) - self.cost(rows, low))
 
     @classmethod
     def measure(cls, model, batches: list[int], max_tokens: int, context: int = 128, repeats: int = 3,
@@ -125,28 +115,25 @@ class CostCurve:
 class Budget:
     """Per step, the candidate length of each row (see the module docstring).
 
-    A row's drafts are modelled as accepted one after another with probability alpha, so its k-th drafted token is
-    accepted with probability alpha**k and a candidate of length l decides (1 - alpha**l) / (1 - alpha) tokens on
-    average. Alpha is kept per row and per kind of draft (an exponential moving average of what the row's steps of
-    that kind accepted): the kind is what the row drafts from this step (`draft.base.drafting_source`: a copy from
-    its context, which the target often accepts for many tokens, or the drafter, which it accepts far less), known
-    before the step is priced because copies are looked up first. Without a curve every drafting row gets the full
-    `length`. With one, a step verifies T tokens in all (rows of different lengths run ragged: the cost follows T,
-    not the longest row), and the budget hands out the T - rows drafted tokens one at a time to the row whose next
-    draft is the likeliest to be accepted, choosing the T that maximises the batch's expected tokens per second
-    (T = rows: a plain step). Costs are measured in this run, relative to plain steps: `ratio(rows, T)` is what a
-    step of T tokens cost over the plain step run right before or after it (the median of the last `RATIO_WINDOW`
-    such neighbours: one step slowed by something else, such as the cache growing, must not keep the batch from
-    speculating until the next probes wash it out), and `plain[rows]` what a plain step costs now (every step
-    updates it: a speculative one through its ratio). Neighbouring steps see the same contexts, so a ratio stays
-    valid as the contexts grow, where an absolute time measured many steps ago would not; drafting, packing and
-    acceptance, which the curve does not hold, are in it. A T without a measured ratio takes the curve's ratio to
-    the nearest measured one. The first step at a batch size is plain (the reference). A step tries the other kind
-    of step (one drafted token per drafting row while backed off, a plain step otherwise) when there has been none
-    for a while, so the acceptance and the costs stay current: `probe` steps at first, twice as long after each
-    probe (at most `max_probe`), back to `probe` when the choice changes while the rows draft from the same kinds
-    (a change of mind, not of situation). A batch where one kind of step keeps winning spends little on the other;
-    one that alternates with what its rows copy needs no probes.
+    A row's drafts are modelled as accepted one after another with probability alpha, so a candidate of length l
+    decides (1 - alpha**l) / (1 - alpha) tokens on average. Alpha is kept per row and per kind of draft (an
+    exponential moving average of what the row's steps of that kind accepted): the kind is what the row drafts from
+    this step (`draft.base.drafting_source`: a copy from its context, which the target often accepts for many
+    tokens, or the drafter, which it accepts far less), known before the step is priced because copies are looked up
+    first. Without a curve every drafting row gets the full `length`. With one, the length l in 1..length (1: a
+    plain step) that maximises the batch's expected tokens per second. Costs are measured in this run, relative to
+    plain steps: `ratio(rows, l)` is what a step of length l cost over the plain step run right before or after it
+    (the median of the last `RATIO_WINDOW` such neighbours: one step slowed by something else, such as the cache
+    growing, must not keep the batch from speculating until the next probes wash it out), and `plain[rows]` what a
+    plain step costs now (every step updates it: a step of length l through its ratio). Neighbouring steps see the
+    same contexts, so a ratio stays valid as the contexts grow, where an absolute time measured many steps ago would
+    not; drafting, packing and acceptance, which the curve does not hold, are in it. A length without a measured
+    ratio takes the curve's ratio to the nearest measured one. The first step at a batch size is plain (the
+    reference). A step tries the other kind of step (2 drafted tokens while backed off, a plain step otherwise) when
+    there has been none for a while, so the acceptance and the costs stay current: `probe` steps at first, twice as
+    long after each probe (at most `max_probe`), back to `probe` when the choice changes while the rows draft from
+    the same kinds (a change of mind, not of situation). A batch where one kind of step keeps winning spends little
+    on the other; one that alternates with what its rows copy needs no probes.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
@@ -159,10 +146,10 @@ class Budget:
         self.caps: list[int] = []  # each row's longest candidate
         self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
-        self.ratios: dict[tuple[int, int], deque[float]] = {}  # (rows, tokens > rows) -> its last pairs' ratios
-        self.previous: tuple[int, int, bool, float] | None = None  # the last observed step: last + its seconds
+        self.ratios: dict[tuple[int, int], deque[float]] = {}  # (rows, length > 1) -> its last pairs' cost ratios
+        self.previous: tuple[int, int, float] | None = None  # (rows, length, seconds) of the last observed step
         self.steps = 0
-        self.last: tuple[int, int, bool] = (0, 0, True)  # (rows, tokens verified, plain) of the last step
+        self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
         self.kinds: list[str | None] = []  # each row's kind of draft at the last step
         self.speculating = False  # whether the model chose to draft at the last step
         self.situation: list[str | None] = []  # the kinds of draft it chose for
@@ -193,76 +180,70 @@ class Budget:
         """Tokens a candidate of `length` decides on average (the target's own token included)."""
         return float(length) if alpha >= 1 else (1 - alpha**length) / (1 - alpha)
 
-    def ratio(self, rows: int, tokens: int) -> float:
-        """A measured step of `tokens` tokens over a neighbouring plain step: the median of its last pairs."""
-        return statistics.median(self.ratios[rows, tokens])
+    def ratio(self, rows: int, length: int) -> float:
+        """A measured step of `length` over a neighbouring plain step: the median of its last pairs."""
+        return statistics.median(self.ratios[rows, length])
 
-    def cost(self, rows: int, tokens: int) -> float:
-        """Expected seconds of a step of `rows` rows verifying `tokens` tokens in all (plain steps of this many
-        rows must have been measured; a plain step: `tokens` = `rows`)."""
+    def cost(self, rows: int, length: int) -> float:
+        """Expected seconds of a step of `rows` rows at a common candidate length (plain steps of this many rows
+        must have been measured)."""
         base = self.plain[rows]
-        if tokens <= rows:
+        if length == 1:
             return base
         measured = [n for r, n in self.ratios if r == rows]
         if not measured:
-            return base * self.curve.total(rows, tokens) / self.curve.total(rows, rows)
-        nearest = min(measured, key=lambda n: (abs(n - tokens), n))
-        return base * self.ratio(rows, nearest) * self.curve.total(rows, tokens) / self.curve.total(rows, nearest)
+            return base * self.curve.cost(rows, length) / self.curve.cost(rows, 1)
+        nearest = min(measured, key=lambda n: (abs(n - length), n))
+        return base * self.ratio(rows, nearest) * self.curve.cost(rows, length) / self.curve.cost(rows, nearest)
 
     def lengths(self, kinds: list[str | None], fixed: list[bool] | None = None,
                 offered: list[int | None] | None = None) -> list[int]:
         """The candidate length of each row this step, given what each drafts from (None: nothing; it gets 1) and,
         for a row whose only candidates are copies, the longest one (`offered`, tokens with g0; None otherwise): a
         row at the full length may take a copy of up to `copy_length` (a copy that keeps being accepted grows), a
-        shorter copy prices the row by its own length. `fixed` rows always get their cap: a sampling row whose
-        drafts must not depend on the other rows (its seeded output depends on what it drafts, not only on the
-        target), while greedy rows' output never does."""
+        shorter copy prices the row by its own length. `fixed` rows always get their
+        cap: a sampling row whose drafts must not depend on the other rows (its seeded output depends on what it
+        drafts, not only on the target), while greedy rows' output never does."""
         offered = offered or [None] * len(kinds)
-        fixed = fixed or [False] * len(kinds)
         self.step_caps = [c if o is None else min(o, c if c < self.length else self.copy_length)
                           for c, o in zip(self.caps, offered)]
         self.kinds = list(kinds)
-        self.steps += 1
-        out = [(c if f else 1) if k is not None else 1 for c, k, f in zip(self.caps, kinds, fixed)]
-        free = [r for r, (k, f) in enumerate(zip(kinds, fixed)) if k is not None and not f]
-        if self.curve is None:
-            for r in free:
-                out[r] = self.step_caps[r]
-        elif free and len(kinds) in self.plain:  # else the reference: plain steps at this batch size, first
-            for r in self._share(free, list(out)):
-                out[r] += 1
-        shared = any(out[r] > 1 for r in free)
-        self.last = (len(kinds), sum(out), not shared)
-        if shared:
+        best = self._common(kinds)
+        self.last = (len(kinds), best)
+        if best > 1:
             self.last_speculative = self.steps
         else:
             self.last_plain = self.steps
-        return out
+        fixed = fixed or [False] * len(kinds)
+        return [(c if f else min(best, s)) if k is not None else 1
+                for c, s, k, f in zip(self.caps, self.step_caps, kinds, fixed)]
 
-    def _share(self, free: list[int], start: list[int]) -> list[int]:
-        """The rows that get one more drafted token each, in the order the budget hands them out (a row may be
-        listed several times): the best share of the flat part of the curve, or a probe of the other kind of step
-        when it is due."""
-        offers = sorted(((self.acceptance(r, self.kinds[r]) ** k, -k, r) for r in free
-                         for k in range(1, self.step_caps[r])), reverse=True)  # each row's k-th draft, likeliest first
-        if not offers:
-            return []
-        rows, base = len(start), sum(start)
-        gains = [sum(self.expected(self.acceptance(r, k), n) if n > 1 else 1.0
-                     for r, (k, n) in enumerate(zip(self.kinds, start)))]  # fixed rows draft their cap
-        for p, _, _ in offers:
-            gains.append(gains[-1] + p)
-        best = max(range(len(gains)),
-                   key=lambda m: gains[m] / (self.cost(rows, base + m) if m else self.plain[rows]))
-        spec = best > 0
-        if spec != self.speculating and self.kinds == self.situation:  # a change of mind: probe soon again
+    def _common(self, kinds: list[str | None]) -> int:
+        self.steps += 1
+        drafting = [(r, k) for r, k in enumerate(kinds) if k is not None]
+        if not drafting:
+            return 1
+        if self.curve is None:
+            return self.length
+        rows = len(kinds)
+        if rows not in self.plain:
+            return 1  # the reference: plain steps at this batch size, measured first
+        alphas = [(self.acceptance(r, k), self.step_caps[r]) for r, k in drafting]
+
+        def rate(n: int) -> float:
+            gain = rows - len(alphas) + sum(self.expected(a, min(n, c)) for a, c in alphas)
+            return gain / self.cost(rows, n)
+
+        longest = max(c for _, c in alphas)  # no row drafts more than its cap
+        best = max(range(1, longest + 1), key=rate)
+        if (best > 1) != self.speculating and kinds == self.situation:  # a change of mind: probe soon again
             self.interval = self.probe
-        self.speculating, self.situation = spec, list(self.kinds)
-        since = self.steps - (self.last_plain if spec else self.last_speculative)
+        self.speculating, self.situation = best > 1, list(kinds)
+        since = self.steps - (self.last_plain if best > 1 else self.last_speculative)
         if since >= self.interval:  # try the other kind now and then, so the measurements stay current
             self.interval = min(2 * self.interval, self.max_probe)
-            return [] if spec else [r for r in free if self.step_caps[r] > 1]
-        return [r for _, _, r in offers[:best]]
+            return min(2, longest) if best == 1 else 1
+        return best
 
     def observe(self, lengths: list[int], accepted: list[int], seconds: float | None = None) -> None:
         """What the step's rows accepted (drafts) with the lengths they were given, and what the step cost."""
@@ -276,14 +257,14 @@ class Budget:
             rate = a / trials if trials else old
             self.alpha[r][kind] = self.decay * old + (1 - self.decay) * rate
             self.kind_alpha[kind] = self._average(self.kind_alpha.get(kind), self.alpha[r][kind])
-        rows, n, plain = self.last
+        rows, n = self.last
         if seconds is None or self.curve is None or not rows or seconds <= 0:
             return
-        before, self.previous = self.previous, (rows, n, plain, seconds)
-        if before is not None and before[0] == rows and before[2] != plain:  # a plain / speculative pair
-            tokens, ratio = (n, seconds / before[3]) if not plain else (before[1], before[3] / seconds)
-            self.ratios.setdefault((rows, tokens), deque(maxlen=RATIO_WINDOW)).append(ratio)
-        if plain:
+        before, self.previous = self.previous, (rows, n, seconds)
+        if before is not None and before[0] == rows and (before[1] == 1) != (n == 1):  # a plain / speculative pair
+            length, ratio = (n, seconds / before[2]) if n > 1 else (before[1], before[2] / seconds)
+            self.ratios.setdefault((rows, length), deque(maxlen=RATIO_WINDOW)).append(ratio)
+        if n == 1:
             self.plain[rows] = self._average(self.plain.get(rows), seconds)
         elif rows in self.plain:
             self.plain[rows] = self._average(self.plain[rows], seconds * self.plain[rows] / self.cost(rows, n))
