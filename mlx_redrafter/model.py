@@ -2,7 +2,8 @@
 
 One forward serves prefill, one-token steps and the packed tree verification block: callers give the
 token ids, the KV cache, each token's RoPE position and (for more than one token) a boolean attention mask
-over the cache's visible keys. It returns logits and the post-norm hidden states.
+over the cache's visible keys. It returns logits and the post-norm hidden states. Rows of a batch with different
+numbers of new tokens can run `Ragged`: the per-token products see only the real tokens.
 """
 
 from __future__ import annotations
