@@ -297,3 +297,29 @@ def test_the_budget_prices_each_step_by_what_the_rows_draft_from():
     assert sum(n == 4 for n in copies) >= 0.9 * len(copies)
     assert sum(n == 1 for n in drafts) >= 0.9 * len(drafts)
 
+
+
+def test_rows_of_different_lengths_verify_ragged_and_exactly(target, prompts, ar_outputs):
+    """Rows capped at different candidate lengths (2 to 5) verify trees of different sizes in one step: the
+    forward runs them ragged (the products over the real tokens only) and every row still decodes what its
+    prompt decodes alone."""
+    from mlx_redrafter.batch.loop import Batch
+
+    model, eos = target.model, target.tokenizer.eos_ids
+    drafter = random_drafter(576, 49152, seed=1, exit_dim=128, draft_vocab_size=4096)
+    batch = Batch(model, eos, length=5)
+    rows = range(4)
+    out = {i: batch.add(i, prompts[i], max_tokens=MAX_TOKENS, length=2 + i,
+                        allocator=Allocator([Slot(LookupSource(NgramIndex), 1),
+                                             Slot(RnnSource(drafter, model.embed), 1, backs_up="lookup")])).tokens
+           for i in rows}
+    mixed = 0
+    while len(batch):
+        step = batch.step()
+        mixed += len({r.verified for _, r in step}) > 1
+        for i, r in step:
+            out[i] += r.tokens
+        for key in batch.done():
+            batch.remove(key)
+    assert mixed > 0
+    assert_exact(target, [prompts[i] for i in rows], [ar_outputs[i] for i in rows], out)
