@@ -245,9 +245,20 @@ class Ragged:
         """(B, N, ...) -> (T, ...): the real tokens only, row after row."""
         return x.reshape(-1, *x.shape[2:])[self.gather]
 
-    def padded(self, x: mx.array) -> mx.array:
-        """(T, ...) -> (B, N, ...): every row padded to the longest with copies of its first token."""
-        return x[self.spread]
+
+def rows_of(x: mx.array, shape: tuple[int, int], heads: int, spread: mx.array | None = None) -> mx.array:
+    """Per-token head vectors (tokens, heads * D) -> (B, N, heads, D): B rows of N tokens, or ragged rows padded
+    (`Ragged.spread`)."""
+    x = x.reshape(x.shape[0], heads, -1)
+    return x.reshape(*shape, heads, x.shape[-1]) if spread is None else x[spread]
+
+
+def tokens_of(out: mx.array, gather: mx.array | None = None) -> mx.array:
+    """Attention output (B, heads, N, D) -> (tokens, heads * D): every slot, or only ragged rows' real tokens
+    (`Ragged.gather`)."""
+    B, h, N, D = out.shape
+    out = out.transpose(0, 2, 1, 3).reshape(B * N, h * D)
+    return out if gather is None else out[gather]
 
 
 class Attention(nn.Module):
@@ -266,38 +277,20 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, shape: tuple[int, int], rope: tuple[mx.array, mx.array], mask: mx.array | None,
                  cache: KVCache, layer: int, ragged: Ragged | None = None) -> mx.array:
         """x (B * N, dim) -> (B * N, dim) for B rows of N new tokens; with `ragged`, x (T, dim) -> (T, dim)."""
-        B, N = shape
         cos, sin = rope
-        h, h_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if ragged is not None:
-            return self._ragged(x, rope, mask, cache, layer, ragged)
+        h, h_kv = self.n_heads, self.n_kv_heads
+        spread, gather = (None, None) if ragged is None else (ragged.spread, ragged.gather)
         if self.qkv is not None and self.qkv.current():  # q and k rotated as one array
-            qk, v = mx.split(self.qkv.product(x), [(h + h_kv) * D], axis=-1)
-            q, k = mx.split(apply_rope(qk.reshape(B, N, h + h_kv, D), cos, sin), [h], axis=2)
+            qk, v = mx.split(self.qkv.product(x), [(h + h_kv) * self.head_dim], axis=-1)
+            q, k = mx.split(apply_rope(rows_of(qk, shape, h + h_kv, spread), cos, sin), [h], axis=2)
         else:
             q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
-            q = apply_rope(q.reshape(B, N, h, D), cos, sin)
-            k = apply_rope(k.reshape(B, N, h_kv, D), cos, sin)
-        keys, values = cache.write(layer, k.transpose(0, 2, 1, 3), v.reshape(B, N, h_kv, D).transpose(0, 2, 1, 3))
-        out = attention(q.transpose(0, 2, 1, 3), keys, values, self.scale, mask)  # (B, h, N, D)
-        return project(out.transpose(0, 2, 1, 3).reshape(B * N, -1), self.o, [self.o_proj])[0]
-
-    def _ragged(self, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None, cache: KVCache,
-                layer: int, ragged: Ragged) -> mx.array:
-        """The same layer over the real tokens of ragged rows: rope (T, 1, D/2) each."""
-        T, (cos, sin) = x.shape[0], rope
-        h, h_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.qkv is not None and self.qkv.current():
-            qk, v = mx.split(self.qkv.product(x), [(h + h_kv) * D], axis=-1)
-            q, k = mx.split(ragged.padded(apply_rope(qk.reshape(T, h + h_kv, D), cos, sin)), [h], axis=2)
-        else:
-            q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
-            q = ragged.padded(apply_rope(q.reshape(T, h, D), cos, sin))
-            k = ragged.padded(apply_rope(k.reshape(T, h_kv, D), cos, sin))
-        v = ragged.padded(v.reshape(T, h_kv, D))
+            q = apply_rope(rows_of(q, shape, h, spread), cos, sin)
+            k = apply_rope(rows_of(k, shape, h_kv, spread), cos, sin)
+        v = rows_of(v, shape, h_kv, spread)
         keys, values = cache.write(layer, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         out = attention(q.transpose(0, 2, 1, 3), keys, values, self.scale, mask)  # (B, h, N, D)
-        return project(ragged.flat(out.transpose(0, 2, 1, 3)).reshape(T, -1), self.o, [self.o_proj])[0]
+        return project(tokens_of(out, gather), self.o, [self.o_proj])[0]
 
 
 class MLP(nn.Module):
@@ -345,32 +338,20 @@ class CompiledLayer:
         eps, inv_dim, hidden = args.rms_norm_eps, 1.0 / args.hidden_size, args.intermediate_size
         self.scale = args.head_dim**-0.5
 
-        def before(x, norm_w, qkv_t, cos, sin):
-            B, N = cos.shape[:2]
+        def before(x, norm_w, qkv_t, cos, sin, spread=None):
+            shape = cos.shape[:2]
             qk, v = mx.split(_rms_norm_compiled(x, norm_w, eps, inv_dim) @ qkv_t, [(h + h_kv) * D], axis=-1)
-            q, k = mx.split(apply_rope(qk.reshape(B, N, h + h_kv, D), cos, sin), [h], axis=2)
-            return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.reshape(B, N, h_kv, D).transpose(0, 2, 1, 3)
+            q, k = mx.split(apply_rope(rows_of(qk, shape, h + h_kv, spread), cos, sin), [h], axis=2)
+            v = rows_of(v, shape, h_kv, spread)
+            return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-        def after(x, out, o_t, norm_w, gate_up_t, down_t):
-            B, _, N, _ = out.shape
-            h1 = x + out.transpose(0, 2, 1, 3).reshape(B * N, -1) @ o_t
-            g, u = mx.split(_rms_norm_compiled(h1, norm_w, eps, inv_dim) @ gate_up_t, [hidden], axis=-1)
-            return h1 + _silu_mul_cpu(g, u) @ down_t
-
-        def before_ragged(x, norm_w, qkv_t, cos, sin, spread):  # x (T, dim), cos (T, 1, D/2), spread (B, N)
-            qk, v = mx.split(_rms_norm_compiled(x, norm_w, eps, inv_dim) @ qkv_t, [(h + h_kv) * D], axis=-1)
-            q, k = mx.split(apply_rope(qk.reshape(x.shape[0], h + h_kv, D), cos, sin)[spread], [h], axis=2)
-            return (q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-                    v.reshape(x.shape[0], h_kv, D)[spread].transpose(0, 2, 1, 3))
-
-        def after_ragged(x, out, gather, o_t, norm_w, gate_up_t, down_t):  # out (B, h, N, D), gather (T,)
-            B, _, N, _ = out.shape
-            h1 = x + out.transpose(0, 2, 1, 3).reshape(B * N, -1)[gather] @ o_t
+        def after(x, out, o_t, norm_w, gate_up_t, down_t, gather=None):
+            h1 = x + tokens_of(out, gather) @ o_t
             g, u = mx.split(_rms_norm_compiled(h1, norm_w, eps, inv_dim) @ gate_up_t, [hidden], axis=-1)
             return h1 + _silu_mul_cpu(g, u) @ down_t
 
         self.before, self.after = mx.compile(before), mx.compile(after)
-        self.before_ragged, self.after_ragged = mx.compile(before_ragged), mx.compile(after_ragged)
+        self.before_ragged, self.after_ragged = mx.compile(before), mx.compile(after)  # with the layout's index
         self.weights: list[tuple[mx.array, ...]] | None = []  # per layer: what its two functions read
         self.held: list[tuple[nn.Module, mx.array]] = []  # (module, its weight when built): checked every call
         for b in blocks:
@@ -403,7 +384,7 @@ class CompiledLayer:
         out = attention(q, keys, values, self.scale, mask)
         if ragged is None:
             return self.after(x, out, o_t, norm2, gate_up_t, down_t)
-        return self.after_ragged(x, out, ragged.gather, o_t, norm2, gate_up_t, down_t)
+        return self.after_ragged(x, out, o_t, norm2, gate_up_t, down_t, ragged.gather)
 
 
 class LlamaModel(nn.Module):
@@ -497,10 +478,9 @@ class Model(nn.Module):
             mask = causal_mask(N, cache.offset)
         if mask is not None:
             mask = grouped_mask(mask, self.args.num_attention_heads // self.args.num_key_value_heads, N)
-        x = self.embed(tokens).reshape(B * N, -1)  # (B * N, H): two-dimensional products, fewer graph nodes
-        rope = self.rope(positions, x.dtype)
-        if ragged is not None:
-            x, rope = ragged.flat(x.reshape(B, N, -1)), tuple(ragged.flat(r) for r in rope)
+        # (B * N, H) or, ragged, (T, H): two-dimensional products, fewer graph nodes
+        x = self.embed(tokens).reshape(B * N, -1) if ragged is None else self.embed(ragged.flat(tokens))
+        rope = self.rope(positions, x.dtype)  # (B, N, ...): applied once the tokens are laid out in rows
         compiled = self.compiled if self.compiled is not None and self.compiled.usable(N) else None
         for i, layer in enumerate(self.model.layers):
             x = (layer(x, (B, N), rope, mask, cache, i, ragged) if compiled is None

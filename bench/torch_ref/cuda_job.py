@@ -728,8 +728,8 @@ def drafter_folders(result_dir: Path, dest: Path) -> list[Path]:
     for f in sorted(result_dir.glob("drafter_*.safetensors")):
         with safe_open(str(f), "np") as st:
             meta = (st.metadata() or {}).get("config")
-            layers = sum(k.startswith("lm_head.") and k.endswith(".linear.weight") for k in st.keys())
-        cfg = json.loads(meta) if meta else {**shipped, "num_draft_layers": layers}
+            cfg = json.loads(meta) if meta else {**shipped, "num_draft_layers": sum(
+                k.startswith("lm_head.") and k.endswith(".linear.weight") for k in st.keys())}
         folder = dest / f.stem.removeprefix("drafter_")
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -29,8 +29,7 @@ from mlx_redrafter.step import StepResult
 class Row:
     """What a row brings to a step: its decode state, its draft plan and candidate length, its random stream and
     sampling settings. With `capped`, no candidate is longer than `length` (a context copy that keeps being
-    accepted may otherwise grow past it): the verify budget priced the step at that length; capped rows draft at
-    the longest capped length (rows sharing a drafter then draft in one call) and are cut to their own."""
+    accepted may otherwise grow past it): the verify budget priced the step at that length."""
 
     state: DecodeState
     plan: list[Slot]
@@ -60,9 +59,7 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     """Every row drafts by its own plan (`host`: what its host sources already proposed, `host_proposals`); one
     target call verifies every row's tree; each row keeps its longest accepted run. Syncs once at the end (the
     accepted tokens), and after drafting unless every row has one candidate (tree sizes)."""
-    common = max((r.length for r in rows if r.capped), default=0)  # capped rows draft together, then are cut
-    proposals = propose_rows([r.plan for r in rows], [r.state for r in rows],
-                             [max(r.length, common) if r.capped else r.length for r in rows], host)  # draft
+    proposals = propose_rows([r.plan for r in rows], [r.state for r in rows], [r.length for r in rows], host)  # draft
     proposals = [Proposal(p.candidates[:, : r.length], p.rows, min(p.chain, r.length)) if r.capped else p
                  for r, p in zip(rows, proposals)]
     if not all(p.chain for p in proposals):
