@@ -10,11 +10,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_redrafter.system.blas import small_gemm_avx2, small_gemm_calls, small_gemm_disabled, status
+from mlx_redrafter.system.blas import cpu_flags, small_gemm_avx2, small_gemm_calls, small_gemm_disabled, status
 
 # Where the kernel is built for (x86-64 Linux with AVX-512 or AVX2 + FMA, switch on), its absence is a failure.
 # conftest installed the BLAS before this module imported mlx.core, so the status says what install expected.
 EXPECTED = sys.platform == "linux" and status().small_gemm_expected
+AVX512 = "avx512f" in cpu_flags()
+
+
+def most_rows(path: str) -> int:
+    """The most rows of x a path takes in one product: AVX2 16; AVX-512 any (tested up to 100: three 32-row chunks
+    and a tail, in blocks of 64 weight rows)."""
+    return 100 if path == "best" and AVX512 else 16
 
 
 def have_path() -> bool:
@@ -39,6 +46,7 @@ def test_products_match_float64(path):
     rng = np.random.default_rng(0)
     shapes = [(1, 1536, 576), (3, 576, 1536), (8, 49152, 576), (16, 960, 576), (5, 200, 512)]
     shapes += [(M, 1007, 576) for M in range(1, 33)]  # every row count (AVX2: 17-32 to the BLAS), a tail of rows
+    shapes += [(M, 1007, 576) for M in (33, 40, 64, 65, 100, 300)]  # AVX-512: chunks of 32 rows, blocks of weights
     with _path(path):
         for M, N, K in shapes:
             x, w = rng.standard_normal((M, K), dtype=np.float32), rng.standard_normal((N, K), dtype=np.float32)
@@ -53,11 +61,11 @@ def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(path):
         pytest.skip("small-GEMM library not built on this machine")
     rng = np.random.default_rng(1)
     w = mx.array(rng.standard_normal((1537, 576), dtype=np.float32))
-    rows = 16 if path == "avx2" else 32  # the most rows each path takes
+    rows = most_rows(path)
     x = mx.array(rng.standard_normal((rows, 576), dtype=np.float32))
     with _path(path):
         full = np.array(x @ w.T)
-        for M in range(1, rows):  # every chunking of the rows (one to six chunks; AVX2: one or two passes)
+        for M in range(1, rows):  # every chunking of the rows (AVX-512: of up to 32 rows in one to six chunks)
             assert np.array_equal(np.array(x[:M] @ w.T), full[:M]), M
 
 
@@ -123,7 +131,8 @@ def test_other_products_go_to_the_blas():
     if not have_path():
         pytest.skip("small-GEMM library not built on this machine")
     fast, slow = small_gemm_calls()
-    mx.eval(mx.ones((33, 576)) @ mx.ones((1536, 576)).T)  # too many rows
+    with small_gemm_avx2():
+        mx.eval(mx.ones((17, 576)) @ mx.ones((1536, 576)).T)  # too many rows for the AVX2 path
     mx.eval(mx.ones((4, 576)) @ mx.ones((576, 1536)))  # not x @ W^T, and too large for the tiny path
     with small_gemm_disabled():
         mx.eval(mx.ones((1, 576)) @ mx.ones((1536, 576)).T)
