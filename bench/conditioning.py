@@ -49,10 +49,11 @@ def features(shard: Path, out: Path, sequences: int = typer.Option(256, help="Fi
     """Teacher-forced multi-layer states and top-8 labels of a corpus shard, into one .npz file."""
     import mlx.core as mx
 
+    from mlx_redrafter.model import prefill_chunk
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.train.batch import left_padded
     from mlx_redrafter.train.corpus import load_shard
-    from mlx_redrafter.train.features import CHUNK, length_groups, top_labels
+    from mlx_redrafter.train.features import length_groups, top_labels
 
     _existing([str(shard)])
     target = load_target(None, "float32")
@@ -70,8 +71,9 @@ def features(shard: Path, out: Path, sequences: int = typer.Option(256, help="Fi
         tok, pos, mask, padded = left_padded([sh.sequence(q).tolist() for q in idx], pad)
         cache = model.make_cache(tok.shape[1])
         taps: list[list] = [[] for _ in range(len(LAYERS) + 1)]
-        for a in range(0, tok.shape[1], CHUNK):
-            b = min(a + CHUNK, tok.shape[1])
+        chunk = prefill_chunk(len(idx))
+        for a in range(0, tok.shape[1], chunk):
+            b = min(a + chunk, tok.shape[1])
             x = model.embed(mx.array(tok[:, a:b]))
             rope = model.rope(mx.array(pos[:, a:b]), x.dtype)
             m = mx.array(mask[:, :, a:b, :b])

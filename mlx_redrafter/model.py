@@ -492,6 +492,40 @@ class Model(nn.Module):
         return self.logits(hidden[:, -1:] if last_only else hidden), hidden
 
 
+PREFILL_CHUNK_TOKENS = 2048  # tokens (rows x positions) a chunk of a long prefill feeds at once
+
+
+def prefill_chunk(rows: int) -> int:
+    """Positions per forward when `forward_chunked` feeds a long input of `rows` rows: about 2,048 tokens a
+    forward, 32 to 128 positions. One forward over N positions scores every query against every key, masked ones
+    included, in (rows, heads, N, N) tensors that the mask, the softmax and the value product each pass over; in
+    chunks, a chunk's queries skip the keys after it and those tensors stay in cache. Measured on the 2-core AVX-512
+    EPYC: one row of 1,024 tokens 2.3 s in chunks of 128 against 4.5 s in one forward (512: 0.91 against 1.02 s);
+    64 left-padded rows of 344 tokens on one thread 52 s in chunks of 32, 56 s of 64, 62 s of 128, 85 s whole."""
+    return max(32, min(128, PREFILL_CHUNK_TOKENS // max(rows, 1)))
+
+
+def forward_chunked(model: Model, cache: KVCache, tokens: mx.array, positions: mx.array | None = None,
+                    mask: mx.array | None = None, all_hidden: bool = False) -> tuple[mx.array, mx.array]:
+    """Feed tokens (B, N) through `cache` `prefill_chunk(B)` positions at a time and advance it by N: the function
+    of one forward (to float rounding), with less attention work on long inputs. `positions` (B, N) and `mask`
+    (B, 1, N, cache.offset + N) as for `Model.__call__` (default: from the cache's offset, causal). Returns the
+    logits at the last position (B, 1, V) and the post-norm hidden states: every position's (B, N, H) with
+    `all_hidden`, else the last position's (B, 1, H) (lazy)."""
+    B, N = tokens.shape
+    start, chunk = cache.offset, prefill_chunk(B)
+    parts = []
+    for a in range(0, N, chunk):
+        b = min(a + chunk, N)
+        logits, hidden = model(tokens[:, a:b], cache, None if positions is None else positions[:, a:b],
+                               None if mask is None else mask[:, :, a:b, : start + b], last_only=True)
+        cache.advance(b - a)
+        parts.append(hidden if all_hidden else hidden[:, -1:])
+    if not all_hidden:
+        return logits, parts[-1]
+    return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
 def causal_mask(n: int, offset: int) -> mx.array:
     """Boolean (1, 1, n, offset + n) mask: token i sees the cache and new tokens 0..i."""
     rows = mx.arange(n)[:, None] + offset

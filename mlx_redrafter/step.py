@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_redrafter.accept import accept
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import DecodeState, Slot, propose
-from mlx_redrafter.model import Model
+from mlx_redrafter.model import Model, forward_chunked
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
 from mlx_redrafter.tree import verify_mask
 
@@ -28,8 +28,7 @@ def prefill(model: Model, cache: KVCache, prompt: list[int], sampling: Sampling 
             rng: Rng | None = None) -> tuple[mx.array, mx.array]:
     """Feed the prompt at positions offset..offset+n-1; return (g0 (1,), h (1, H)): the target's next token
     and its hidden state at the prompt's last position (lazy)."""
-    logits, hidden = model(mx.array([prompt]), cache, last_only=True)
-    cache.advance(len(prompt))
+    logits, hidden = forward_chunked(model, cache, mx.array([prompt]))
     return next_token(logits[:, -1], sampling, rng), hidden[:, -1]
 
 

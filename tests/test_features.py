@@ -161,14 +161,16 @@ def test_train_output_refuses_a_folder_that_is_not_a_drafter(tmp_path):
 
 def test_chunked_forward_equals_one_forward(target):
     """Feeding a long left-padded batch in chunks through one KV cache gives the states of one forward."""
+    from mlx_redrafter.model import forward_chunked
     from mlx_redrafter.train.batch import left_padded
-    from mlx_redrafter.train.features import forward_chunked
 
     rng = np.random.default_rng(0)
     tok, pos, mask, _ = left_padded([rng.integers(100, 40000, n).tolist() for n in (300, 170, 41)],
                                     target.tokenizer.eos_ids[0])
     _, one = target.model(mx.array(tok), target.model.make_cache(tok.shape[1]), mx.array(pos), mx.array(mask))
-    chunked = forward_chunked(target.model, tok, pos, mask, chunk=128)
+    cache = target.model.make_cache(tok.shape[1])
+    _, chunked = forward_chunked(target.model, cache, mx.array(tok), mx.array(pos), mx.array(mask), all_hidden=True)
+    assert cache.offset == tok.shape[1]
     assert chunked.shape == one.shape
     real = mx.array(mask[:, 0, -1, :])  # pad slots see only themselves: compare the real positions
     assert mx.abs(mx.where(real[..., None], chunked - one, 0)).max().item() < 1e-4

@@ -28,13 +28,12 @@ import numpy as np
 
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
-from mlx_redrafter.model import Model
+from mlx_redrafter.model import Model, forward_chunked
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
 
 TOP_K = 8  # labels kept per position: the target's k most likely next tokens
 LOGIT_ROWS = 1024  # rows of vocabulary logits computed at once (49k-wide float32 rows)
-CHUNK = 128  # a long batch is fed in chunks of this many positions (causal: later chunks see earlier ones' keys)
 
 
 @dataclass
@@ -94,22 +93,6 @@ def _labels_in_chunks(model: Model, hidden: np.ndarray | mx.array, k: int) -> tu
     return np.concatenate(ids), np.concatenate(logp)
 
 
-def forward_chunked(model: Model, tok: np.ndarray, pos: np.ndarray, mask: np.ndarray, chunk: int = CHUNK) -> mx.array:
-    """Post-norm hidden states (B, N, H) of a left-padded batch, fed `chunk` positions at a time through one KV
-    cache: the same states as one forward, with half the attention work on long sequences (no query scores
-    against keys its causal mask hides)."""
-    B, N = tok.shape
-    cache = model.make_cache(N)
-    parts = []
-    for a in range(0, N, chunk):
-        b = min(a + chunk, N)
-        _, h = model(mx.array(tok[:, a:b]), cache, mx.array(pos[:, a:b]), mx.array(mask[:, :, a:b, :b]),
-                     last_only=True)
-        cache.advance(b - a)
-        parts.append(h)
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
-
-
 def length_groups(lens: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
     """Sequence indices in batches of similar lengths, shortest first: each batch padded to its longest holds at
     most `max_batch_tokens` tokens (a sequence longer than that is a batch of its own)."""
@@ -136,7 +119,8 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
     for idx in length_groups(lens, max_batch_tokens):
         seqs = [shard.sequence(q).tolist() for q in idx]
         tok, pos, mask, pad = left_padded(seqs, pad_id)
-        hidden = forward_chunked(model, tok, pos, mask)
+        _, hidden = forward_chunked(model, model.make_cache(tok.shape[1]), mx.array(tok), mx.array(pos), mx.array(mask),
+                                    all_hidden=True)
         spans = [(int(pad[b]) + int(shard.prompt_len[q]) - 1, int(pad[b]) + int(lens[q]) - 1) for b, q in
                  enumerate(idx)]
         ctx = mx.concatenate([hidden[b, s:e] for b, (s, e) in enumerate(spans)])  # float32 states

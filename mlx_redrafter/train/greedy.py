@@ -18,7 +18,7 @@ import numpy as np
 
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
-from mlx_redrafter.model import Model
+from mlx_redrafter.model import Model, forward_chunked
 from mlx_redrafter.models.loader import Target
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
@@ -45,8 +45,7 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
     tok, positions, mask, pad = left_padded(prompts, eos_ids[0])
     n_pad = tok.shape[1]
     cache = model.make_cache(n_pad + max_new_tokens)
-    logits, hidden = model(mx.array(tok), cache, mx.array(positions), mx.array(mask), last_only=True)
-    cache.advance(n_pad)
+    logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
     nxt = mx.argmax(logits[:, -1], axis=-1)
     out: list[list[int]] = [[] for _ in range(B)]
     hids: list[list[np.ndarray]] = [[] for _ in range(B)]
