@@ -77,7 +77,8 @@ def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target
 
 
 def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_file, tmp_path):
-    """A kill inside a shard keeps its finished batches; the resumed shard equals an uninterrupted one."""
+    """A kill inside a shard keeps its finished batches; the resumed shard equals an uninterrupted one, and its
+    manifest entry counts what the batches made before the kill cost."""
     settings = Settings(max_new_tokens=8, shard_size=4, batch_size=2, heldout=4, turn2_every=2)
     source = GreedySource(target, prompts_file, settings, capture=True)
     job = source.jobs()[0]
@@ -95,8 +96,12 @@ def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_
     fresh = source.make(job, Corpus(tmp_path / "d", target.model.args.vocab_size), lambda units, tokens: None)
     assert resumed.seqs == fresh.seqs and resumed.prompt_lens == fresh.prompt_lens
     assert all(np.array_equal(a, b) for a, b in zip(resumed.hidden, fresh.hidden))
+    assert resumed.info["resumed_seconds"] > 0 and resumed.info["resumed_cpu_seconds"] > 0
+    assert "resumed_seconds" not in fresh.info
     grow(source, target, tmp_path / "c", max_shards=1, progress=False, log=lambda m: None)
     assert not partial_path(corpus, job.name).exists()  # removed once the shard is written
+    entry = Corpus(tmp_path / "c").entries[job.name]  # every batch came from the partial file: its cost is theirs
+    assert entry["cpu_seconds"] > 0 and entry["seconds"] > 0 and "resumed_seconds" not in entry
 
 
 def test_the_plan_goes_on_after_the_prompts_without_renumbering_a_shard():

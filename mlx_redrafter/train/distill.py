@@ -138,9 +138,11 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
             if why is not None:
                 log(f"{job.name}: {why}: skipped for now")
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             made = source.make(job, corpus, advance)
-            seconds = time.perf_counter() - t0
+            info = dict(made.info)
+            seconds = time.perf_counter() - t0 + info.pop("resumed_seconds", 0.0)  # an interrupted shard's earlier part
+            cpu_seconds = time.process_time() - c0 + info.pop("resumed_cpu_seconds", 0.0)
             data = shard_bytes(made.seqs, made.prompt_lens, made.index, made.turns, job.split,
                                target.model.args.vocab_size)
             if features_dir is not None and made.hidden is not None:  # derived data, local, never committed
@@ -152,7 +154,10 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
                 "turn": job.turn, "split": job.split, "sequences": len(made.seqs), "response_tokens": resp,
                 "plan_rows": [job.rows[0], job.rows[-1]] if job.rows else [], "parents": job.parents,
                 "seconds": round(seconds, 1), "new_tokens_per_s": round(resp / max(seconds, 1e-9), 1),
-                **made.info,  # a source that made the sequences elsewhere says what they cost there
+                # this process's CPU time: unlike wall time, not inflated by other work sharing the cores or by the
+                # job being paused (SIGSTOP) for a benchmark; a source that made the sequences elsewhere (its info
+                # has its own seconds) says what they cost there instead
+                **({} if "seconds" in info else {"cpu_seconds": round(cpu_seconds, 1)}), **info,
             })
             partial_path(corpus, job.name).unlink(missing_ok=True)
             log(f"{job.name}: {source.kind} turn {job.turn} {job.split}, {len(made.seqs)} sequences, {resp} response "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -92,8 +93,9 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
 class Partial:
     """The finished batches of a shard being made, kept beside the corpus (`.shard-NNNNN.npz.partial.npz`, never
     committed) so that an interrupted `distill` resumes inside the shard instead of starting it again. Greedy
-    answers are deterministic, so a resumed shard equals an uninterrupted one. The file is keyed by the prompts
-    and settings; one that does not match (or does not load) is ignored and overwritten."""
+    answers are deterministic, so a resumed shard equals an uninterrupted one. The file also keeps what its batches
+    cost (wall and CPU seconds), so that the shard's manifest entry counts the time before the interruption. It is
+    keyed by the prompts and settings; one that does not match (or does not load) is ignored and overwritten."""
 
     def __init__(self, path: Path, prompts: list[list[int]], max_new_tokens: int, capture: bool):
         h = hashlib.sha256(f"{max_new_tokens}:{capture}:".encode())
@@ -101,26 +103,31 @@ class Partial:
             h.update(np.asarray(p, dtype=np.int64).tobytes() + b"|")
         self.path, self.key, self.capture = path, h.hexdigest(), capture
 
-    def load(self) -> tuple[dict[int, list[int]], dict[int, np.ndarray]]:
+    def load(self) -> tuple[dict[int, list[int]], dict[int, np.ndarray], tuple[float, float]]:
+        """The saved responses, hidden states and (wall, CPU) seconds their batches cost (0 where a file made
+        before the costs were kept does not say)."""
         if not self.path.exists():
-            return {}, {}
+            return {}, {}, (0.0, 0.0)
         try:
             with np.load(self.path, allow_pickle=False) as z:
                 if str(z["key"]) != self.key:
-                    return {}, {}
+                    return {}, {}, (0.0, 0.0)
                 idx, offsets, tokens = z["index"].tolist(), z["offsets"], z["tokens"]
                 responses = {i: tokens[offsets[k]:offsets[k + 1]].tolist() for k, i in enumerate(idx)}
                 hiddens = ({i: z["hidden"][offsets[k]:offsets[k + 1]] for k, i in enumerate(idx)}
                            if self.capture else {})
+                spent = tuple(float(x) for x in z["spent"]) if "spent" in z.files else (0.0, 0.0)
         except (OSError, ValueError, KeyError, IndexError):
-            return {}, {}
-        return responses, hiddens
+            return {}, {}, (0.0, 0.0)
+        return responses, hiddens, spent
 
-    def save(self, responses: dict[int, list[int]], hiddens: dict[int, np.ndarray]) -> None:
+    def save(self, responses: dict[int, list[int]], hiddens: dict[int, np.ndarray],
+             spent: tuple[float, float] = (0.0, 0.0)) -> None:
         idx = sorted(responses)
         offsets = np.cumsum([0] + [len(responses[i]) for i in idx])
         arrays = {"key": np.array(self.key), "index": np.array(idx, dtype=np.int64), "offsets": offsets,
-                  "tokens": np.array([t for i in idx for t in responses[i]], dtype=np.int64)}
+                  "tokens": np.array([t for i in idx for t in responses[i]], dtype=np.int64),
+                  "spent": np.array(spent, dtype=np.float64)}
         if self.capture:
             arrays["hidden"] = np.concatenate([hiddens[i] for i in idx])
         buf = io.BytesIO()
@@ -185,7 +192,8 @@ class GreedySource:
         prompts = [ids[i] for i in keep]
         by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
         saved = Partial(partial_path(corpus, job.name), prompts, s.max_new_tokens, self.capture)
-        responses, hiddens = saved.load()
+        responses, hiddens, (wall0, cpu0) = saved.load()
+        t0, c0 = time.perf_counter(), time.process_time()
         for b in range(0, len(by_len), s.batch_size):
             part = [int(i) for i in by_len[b:b + s.batch_size]]
             if all(i in responses for i in part):  # made before an interruption
@@ -196,7 +204,7 @@ class GreedySource:
                 responses[i] = o
                 if hid is not None:
                     hiddens[i] = hid[k]
-            saved.save(responses, hiddens)
+            saved.save(responses, hiddens, (wall0 + time.perf_counter() - t0, cpu0 + time.process_time() - c0))
             progress(len(part), sum(len(o) for o in outs))
         progress(len(job.rows) - len(keep), 0)
         index = [job.rows[i] for i in keep]
@@ -205,7 +213,8 @@ class GreedySource:
             seqs=[prompts[i] + responses[i] for i in range(len(prompts))], prompt_lens=[len(p) for p in prompts],
             index=index, turns=job.turn, hidden=[hiddens[i] for i in range(len(prompts))] if self.capture else None,
             info={"skipped_prompts": len(job.rows) - len(keep), "sources": dict(sorted(sources.items())),
-                  "eos_stops": sum(1 for r in responses.values() if r and r[-1] in tok.eos_ids)})
+                  "eos_stops": sum(1 for r in responses.values() if r and r[-1] in tok.eos_ids),
+                  **({"resumed_seconds": round(wall0, 3), "resumed_cpu_seconds": round(cpu0, 3)} if wall0 else {})})
 
     def answer(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray] | None]:
         """Greedy responses to a batch of prompts (and their hidden states when capturing)."""
