@@ -513,6 +513,8 @@ def forward_chunked(model: Model, cache: KVCache, tokens: mx.array, positions: m
     logits at the last position (B, 1, V) and the post-norm hidden states: every position's (B, N, H) with
     `all_hidden`, else the last position's (B, 1, H) (lazy)."""
     B, N = tokens.shape
+    if N < 1:
+        raise ValueError("forward_chunked needs at least one position")
     start, chunk = cache.offset, prefill_chunk(B)
     parts = []
     for a in range(0, N, chunk):
