@@ -16,7 +16,7 @@ from mlx_redrafter.train.features import feature_paths, teacher_forced
 from mlx_redrafter.train.greedy import GreedySource, generate_greedy
 from mlx_redrafter.train.loop import TrainConfig, train_drafter
 from mlx_redrafter.train.pipeline import prepare
-from mlx_redrafter.train.plan import Settings, hash_unit, plan_jobs
+from mlx_redrafter.train.plan import FOLLOW_UPS, Settings, follow_choice, hash_unit, plan_jobs
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Say hello.", "Count to five.",
            "Tell me a fun fact.", "Name a fruit."]
@@ -106,18 +106,25 @@ def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_
 
 def test_the_plan_goes_on_after_the_prompts_without_renumbering_a_shard():
     """Once every prompt has its first answer, further turn-2 passes continue the rest of each group's sequences:
-    the interleaved plan is a prefix of the full one, and over all passes every row of a group is continued once."""
+    the interleaved plan is a prefix of the full one; every row of a group is continued once in each cycle of
+    passes, with a follow-up it was not asked before, until it has been asked every follow-up."""
     s = Settings(shard_size=8, heldout=8, turn2_every=4)
     jobs = plan_jobs(8 + 8 * 9, s)  # 9 turn-1 shards: two full groups of 4 and one shard left over
     first = [j for j in jobs if j.follow_pass == 0]
     assert jobs[: len(first)] == first and [j.index for j in jobs] == list(range(len(jobs)))
     assert [j.turn for j in first] == [1] + ([1] * 4 + [2]) * 2 + [1]
     later = jobs[len(first):]
-    assert [j.follow_pass for j in later] == [1, 1, 2, 2, 3, 3] and all(j.turn == 2 for j in later)
+    assert [j.follow_pass for j in later] == [k for k in range(1, 4 * len(FOLLOW_UPS)) for _ in range(2)]
+    assert all(j.turn == 2 for j in later)
     for group in (first[1:5], first[6:10]):
         parents = [j.index for j in group]
-        continued = [r for j in jobs if j.turn == 2 and j.parents == parents for r in j.rows]
-        assert sorted(continued) == sorted(r for j in group for r in j.rows)
+        asked: dict[int, list[int]] = {}
+        for j in jobs:
+            if j.turn == 2 and j.parents == parents:
+                for r in j.rows:
+                    asked.setdefault(r, []).append(follow_choice(r, j.follow_pass, s))
+        assert sorted(asked) == sorted(r for j in group for r in j.rows)
+        assert all(sorted(v) == list(range(len(FOLLOW_UPS))) for v in asked.values())
     assert first[5].rows == [r for j in first[1:5] for r in j.rows if hash_unit(f"turn2:0:{r}") < 0.25]
 
 

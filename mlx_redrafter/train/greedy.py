@@ -24,7 +24,7 @@ from mlx_redrafter.models.loader import Target
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
 from mlx_redrafter.train.distill import Made, partial_path
-from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, hash_unit, plan_jobs, plan_order
+from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, follow_choice, plan_jobs, plan_order
 
 
 def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
@@ -229,10 +229,8 @@ class GreedySource:
         return self._follow_ids
 
     def follow_choice(self, row: int, follow_pass: int = 0) -> int:
-        """Which follow-up the turn-2 sequence of plan row `row` asks in a pass (an index into FOLLOW_UPS)."""
-        seed = self.settings.seed
-        key = f"follow:{seed}:{row}" if follow_pass == 0 else f"follow:{seed}:{follow_pass}:{row}"
-        return int(hash_unit(key) * len(FOLLOW_UPS))
+        """Which follow-up the turn-2 sequence of plan row `row` asks in a pass (`plan.follow_choice`)."""
+        return follow_choice(row, follow_pass, self.settings)
 
     def turn2_prompts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[list[int] | None]:
         """Turn-2 prompts: the turn-1 sequence of each picked row + a follow-up; None where the first answer did

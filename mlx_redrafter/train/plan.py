@@ -6,7 +6,9 @@ Shard 0 holds the held-out prompts (never trained on); then turn-1 shards of `sh
 first and the pool's math and code share trickles in later; every prompt is eventually used.
 
 Once every prompt has its first answer, the plan goes on (so that a data job never runs out of work): further
-turn-2 passes continue the other quarters of each group's sequences, each pass with its own draw of follow-ups.
+turn-2 passes continue the other quarters of each group's sequences, each pass with its own draw of follow-ups
+(one cycle of passes: every sequence continued once); then more cycles, in each of which every sequence is asked a
+follow-up it has not been asked before (`follow_choice`), until each has been asked every one of FOLLOW_UPS.
 Shards already made keep their numbers: the passes come after them.
 """
 
@@ -79,9 +81,19 @@ def plan_order(rows: list[dict], seed: int) -> list[int]:
     return sorted(range(len(rows)), key=lambda i: keys[i])
 
 
+def follow_choice(row: int, follow_pass: int, s: Settings) -> int:
+    """Which follow-up (an index into FOLLOW_UPS) the turn-2 sequence of plan row `row` asks in a pass: a draw per
+    row and pass within the first cycle of `turn2_every` passes (where each row is continued once), then in cycle c
+    that draw shifted by c, so a row is never asked the same follow-up twice."""
+    part, cycle = follow_pass % s.turn2_every, follow_pass // s.turn2_every
+    key = f"follow:{s.seed}:{row}" if part == 0 else f"follow:{s.seed}:{part}:{row}"
+    return (int(hash_unit(key) * len(FOLLOW_UPS)) + cycle) % len(FOLLOW_UPS)
+
+
 def plan_jobs(n_rows: int, s: Settings, turn2: bool = True) -> list[Job]:
     """All shards of a full corpus over n_rows ordered rows: the held-out shard, turn-1 shards and (with `turn2`)
-    the turn-2 shards."""
+    the turn-2 shards: the first pass interleaved with the turn-1 shards, the rest of the first cycle after them,
+    then one more cycle per further follow-up."""
     jobs = [Job(0, 1, "heldout", list(range(min(s.heldout, n_rows))))]
     turn1: list[Job] = []
     start = s.heldout
@@ -94,15 +106,16 @@ def plan_jobs(n_rows: int, s: Settings, turn2: bool = True) -> list[Job]:
             jobs.append(_turn2_job(len(jobs), turn1[-s.turn2_every:], s, 0))
     if turn2:
         groups = [turn1[g : g + s.turn2_every] for g in range(0, len(turn1) - s.turn2_every + 1, s.turn2_every)]
-        for k in range(1, s.turn2_every):
+        for k in range(1, s.turn2_every * len(FOLLOW_UPS)):
             for group in groups:
                 jobs.append(_turn2_job(len(jobs), group, s, k))
     return jobs
 
 
 def _turn2_job(index: int, group: list[Job], s: Settings, k: int) -> Job:
-    """The turn-2 shard of pass k over a group of turn-1 shards: the rows whose hash falls in the k-th of
-    `turn2_every` equal parts (every row of the group is continued once over all passes)."""
-    lo, hi = k / s.turn2_every, (k + 1) / s.turn2_every
+    """The turn-2 shard of pass k over a group of turn-1 shards: the rows whose hash falls in part k mod
+    `turn2_every` of as many equal parts (every row of the group is continued once in each cycle of passes)."""
+    part = k % s.turn2_every
+    lo, hi = part / s.turn2_every, (part + 1) / s.turn2_every
     picked = [r for j in group for r in j.rows if lo <= hash_unit(f"turn2:{s.seed}:{r}") < hi]
     return Job(index, 2, "train", picked, parents=[j.index for j in group], follow_pass=k)
