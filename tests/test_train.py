@@ -55,6 +55,51 @@ def test_batched_generation_matches_one_prompt_alone(target):
         assert h.shape == (len(out), target.model.args.hidden_size) and h.dtype == np.float16
 
 
+def test_branches_of_a_shared_prompt_match_their_full_prompts(target):
+    """Several continuations of one prompt (prefilled once, its cache row copied per branch) give the ids each
+    full prompt gives alone, whatever the suffixes' lengths."""
+    from mlx_redrafter.train.greedy import follow_up_suffix
+
+    tok = target.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    first, _ = generate_greedy(target.model, ids, 12, tok.eos_ids)
+    convs = [i + o for i, o in zip(ids, first)]
+    sfx = [follow_up_suffix(target, t) for t in FOLLOW_UPS[:3]]
+    assert len({len(x) for x in sfx}) > 1
+    branches = [(i, sfx[j]) for i in range(3) for j in range(3) if (i + j) % 2 == 0 or j == 1]
+    out, hid = generate_greedy(target.model, convs, 10, tok.eos_ids, capture=True, branches=branches)
+    full, hid_full = generate_greedy(target.model, [convs[i] + s for i, s in branches], 10, tok.eos_ids,
+                                     capture=True)
+    assert out == full
+    for a, b in zip(hid, hid_full):
+        assert a.shape == b.shape and np.allclose(a.astype(np.float32), b.astype(np.float32), atol=0.05)
+
+
+def test_turn2_passes_over_the_same_sequences_are_made_together(target, prompts_file, corpus_dirs, tmp_path):
+    """The data job makes the later turn-2 passes over a group's sequences together (one prefill for their
+    follow-ups): each shard holds what it holds made alone, and its manifest entry names its group."""
+    import shutil
+
+    root, _ = corpus_dirs
+    source = GreedySource(target, prompts_file, SETTINGS)
+    jobs = source.jobs()
+    job = next(j for j in jobs if j.turn == 2 and j.follow_pass > 0 and j.rows)
+    group = [job, *source.companions(job, jobs)]
+    assert len(group) == 4 and len({j.follow_pass for j in group}) == 4
+    assert len({follow_choice(job.rows[0], j.follow_pass, SETTINGS) for j in group}) == 4
+    together, alone = tmp_path / "together", tmp_path / "alone"
+    shutil.copytree(root, together)
+    shutil.copytree(root, alone)
+    made = source.make_group(group, Corpus(together, target.model.args.vocab_size), lambda units, tokens: None)
+    for j, m in zip(group, made):
+        single = source.make(j, Corpus(alone, target.model.args.vocab_size), lambda units, tokens: None)
+        assert m.seqs == single.seqs and m.prompt_lens == single.prompt_lens and m.index == single.index
+        assert m.info["made_with"] == [g.name for g in group]
+    entries = Corpus(root).entries  # the fixture's corpus was grown by `grow`, which groups them
+    grouped = [e for e in entries.values() if "made_with" in e]
+    assert grouped and all(e["cpu_seconds"] > 0 for e in grouped)
+
+
 def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target, prompts_file, tmp_path):
     root, messages = tmp_path / "c", []
     first = build(target, prompts_file, root, SETTINGS, max_shards=2, progress=False, log=messages.append)

@@ -695,6 +695,9 @@ def land(result_dir: Path, prompts_file: Path, corpus_dir: Path) -> None:
         def jobs(self):
             return [j for j in super().jobs() if j.index in done]
 
+        def companions(self, job, todo):
+            return []  # answers are looked up one shard at a time (`answer`), never generated here
+
         def answer(self, prompts):
             missing = sum(tuple(p) not in answer for p in prompts)
             if missing:

@@ -81,6 +81,9 @@ class SequenceSource(Protocol):
     def make(self, job: Job, corpus: Corpus, progress: Callable[[int, int], None]) -> Made:
         """The sequences of `job`; calls progress(units done, new tokens) as it goes."""
 
+    # Optional: `companions(job, todo) -> list[Job]` (jobs of `todo` that share work with `job`) and
+    # `make_group(jobs, corpus, progress) -> list[Made]` (them made together), used by `grow` where present.
+
 
 def partial_path(corpus: Corpus, name: str) -> Path:
     """Where a source may keep the finished part of shard `name` while making it, so that an interrupted run
@@ -129,8 +132,36 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
             bar.set_postfix_str(f"{made_tokens / max(time.perf_counter() - t_run, 1e-9):.0f} tok/s, "
                                 f"{made_tokens} new tokens")
 
+    def write(job: Job, made: Made, seconds: float, cpu_seconds: float) -> None:
+        info = dict(made.info)
+        seconds += info.pop("resumed_seconds", 0.0)  # an interrupted shard's earlier part
+        cpu_seconds += info.pop("resumed_cpu_seconds", 0.0)
+        data = shard_bytes(made.seqs, made.prompt_lens, made.index, made.turns, job.split,
+                           target.model.args.vocab_size)
+        if features_dir is not None and made.hidden is not None:  # derived data, local, never committed
+            from mlx_redrafter.train.features import save_hidden
+
+            save_hidden(features_dir, job.name, hashlib.sha256(data).hexdigest(), made.hidden)
+        resp = made.response_tokens
+        corpus.write_shard(job.name, data, {
+            "turn": job.turn, "split": job.split, "sequences": len(made.seqs), "response_tokens": resp,
+            "plan_rows": [job.rows[0], job.rows[-1]] if job.rows else [], "parents": job.parents,
+            "seconds": round(seconds, 1), "new_tokens_per_s": round(resp / max(seconds, 1e-9), 1),
+            # this process's CPU time: unlike wall time, not inflated by other work sharing the cores or by the
+            # job being paused (SIGSTOP) for a benchmark; a source that made the sequences elsewhere (its info
+            # has its own seconds) says what they cost there instead
+            **({} if "seconds" in info else {"cpu_seconds": round(cpu_seconds, 1)}), **info,
+        })
+        partial_path(corpus, job.name).unlink(missing_ok=True)
+        log(f"{job.name}: {source.kind} turn {job.turn} {job.split}, {len(made.seqs)} sequences, {resp} response "
+            f"tokens, {seconds:.0f} s ({resp / max(seconds, 1e-9):.0f} tok/s); corpus "
+            f"{corpus.stats()['response_tokens']} response tokens")
+
+    made_already: set[int] = set()
     try:
         for job in todo:
+            if job.index in made_already:
+                continue
             if hours is not None and time.perf_counter() - t_run > hours * 3600:
                 log(f"time budget of {hours} h reached: stopping before {job.name}")
                 break
@@ -138,31 +169,16 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
             if why is not None:
                 log(f"{job.name}: {why}: skipped for now")
                 continue
+            # a source may make several jobs together that share work (GreedySource: one prefill for the turn-2
+            # passes over the same sequences); their cost is split equally between their shards
+            group = [job, *(source.companions(job, [j for j in todo if j.index not in made_already])
+                            if hasattr(source, "companions") else [])]
             t0, c0 = time.perf_counter(), time.process_time()
-            made = source.make(job, corpus, advance)
-            info = dict(made.info)
-            seconds = time.perf_counter() - t0 + info.pop("resumed_seconds", 0.0)  # an interrupted shard's earlier part
-            cpu_seconds = time.process_time() - c0 + info.pop("resumed_cpu_seconds", 0.0)
-            data = shard_bytes(made.seqs, made.prompt_lens, made.index, made.turns, job.split,
-                               target.model.args.vocab_size)
-            if features_dir is not None and made.hidden is not None:  # derived data, local, never committed
-                from mlx_redrafter.train.features import save_hidden
-
-                save_hidden(features_dir, job.name, hashlib.sha256(data).hexdigest(), made.hidden)
-            resp = made.response_tokens
-            corpus.write_shard(job.name, data, {
-                "turn": job.turn, "split": job.split, "sequences": len(made.seqs), "response_tokens": resp,
-                "plan_rows": [job.rows[0], job.rows[-1]] if job.rows else [], "parents": job.parents,
-                "seconds": round(seconds, 1), "new_tokens_per_s": round(resp / max(seconds, 1e-9), 1),
-                # this process's CPU time: unlike wall time, not inflated by other work sharing the cores or by the
-                # job being paused (SIGSTOP) for a benchmark; a source that made the sequences elsewhere (its info
-                # has its own seconds) says what they cost there instead
-                **({} if "seconds" in info else {"cpu_seconds": round(cpu_seconds, 1)}), **info,
-            })
-            partial_path(corpus, job.name).unlink(missing_ok=True)
-            log(f"{job.name}: {source.kind} turn {job.turn} {job.split}, {len(made.seqs)} sequences, {resp} response "
-                f"tokens, {seconds:.0f} s ({resp / max(seconds, 1e-9):.0f} tok/s); corpus "
-                f"{corpus.stats()['response_tokens']} response tokens")
+            mades = source.make_group(group, corpus, advance) if len(group) > 1 else [source.make(job, corpus, advance)]
+            seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+            for j, made in zip(group, mades):
+                write(j, made, seconds / len(group), cpu_seconds / len(group))
+                made_already.add(j.index)
     finally:
         if bar is not None:
             bar.close()

@@ -29,32 +29,63 @@ from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, follow
 
 def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                     compact_below: float = 0.75, capture: bool = False,
+                    branches: list[tuple[int, list[int]]] | None = None,
                     ) -> tuple[list[list[int]], list[np.ndarray] | None]:
     """Greedy responses for a batch of prompts (each ends with an eos id if the model stopped by itself), and
     with `capture` the post-norm hidden states (float16) at each response's context positions: the last
     prompt position and every response position but the last (m states for m response tokens).
 
+    With `branches` [(i, suffix), ...], one response per branch instead: to prompts[i] + suffix. Each prompt is
+    prefilled once however many branches continue it (e.g. several follow-up requests to one conversation), then
+    its cache row is copied per branch and the suffixes are fed together.
+
     Left padding with the model's own eos id (never a real token as padding); each row gets positions
-    0..n-1 and a mask hiding its pad slots. Finished rows are dropped from the batch (and its KV cache) once
-    fewer than `compact_below` of the rows still run.
+    0..n-1 and a mask hiding its pad slots (and, with branches, the slots a shorter suffix leaves empty: suffixes
+    are right-aligned in one block after the prompts). Finished rows are dropped from the batch (and its KV cache)
+    once fewer than `compact_below` of the rows still run.
     """
     if not eos_ids:
         raise UserError("the target tokenizer has no eos id: cannot pad or stop generations")
-    B = len(prompts)
-    lens = np.array([len(p) for p in prompts])
+    if branches is None:
+        branches = [(i, []) for i in range(len(prompts))]
+    B = len(branches)
     eos = set(eos_ids)
     tok, positions, mask, pad = left_padded(prompts, eos_ids[0])
     n_pad = tok.shape[1]
-    cache = model.make_cache(n_pad + max_new_tokens)
+    S = max(len(s) for _, s in branches)
+    cache = model.make_cache(n_pad + S + max_new_tokens)
     logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
-    nxt = mx.argmax(logits[:, -1], axis=-1)
+    of = np.array([i for i, _ in branches])
+    lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
+    pad = pad[of]
+    hole = np.array([S - len(s) for _, s in branches])  # empty slots at the start of a row's suffix block
+    nxt, h_last = mx.argmax(logits[:, -1], axis=-1), hidden[:, -1]
+    if of.tolist() != list(range(len(prompts))):  # a cache row per branch
+        idx = mx.array(of)
+        cache.select(idx)
+        nxt, h_last = nxt[idx], h_last[idx]
+    if S:
+        block = np.full((B, S), eos_ids[0], dtype=np.int32)
+        for b, (_, s) in enumerate(branches):
+            block[b, hole[b]:] = s
+        cols = np.arange(n_pad + S)
+        key_ok = (cols[None, :] >= pad[:, None]) & ((cols[None, :] < n_pad) | (cols[None, :] >= n_pad + hole[:, None]))
+        q = np.arange(S)
+        sees = key_ok[:, None, :] & (cols[None, None, :] <= n_pad + q[None, :, None])
+        sees[:, q, n_pad + q] = True  # an empty slot's query sees itself
+        pos = (lens - S)[:, None] + q[None, :]
+        logits, hidden = forward_chunked(model, cache, mx.array(block), mx.array(np.maximum(pos, 0), dtype=mx.int32),
+                                         mx.array(sees[:, None]))
+        fed = mx.array(hole < S)  # rows whose suffix is not empty take their first token from it
+        nxt = mx.where(fed, mx.argmax(logits[:, -1], axis=-1), nxt)
+        h_last = mx.where(fed[:, None], hidden[:, -1], h_last)
+    h_last = h_last.astype(mx.float16)
     out: list[list[int]] = [[] for _ in range(B)]
     hids: list[list[np.ndarray]] = [[] for _ in range(B)]
-    h_last = hidden[:, -1].astype(mx.float16)
     fed, fed_idx = list(range(B)), list(range(B))
     rows = list(range(B))  # original index of each batch row
-    pad_mx = mx.array(pad[:, None])
-    lens_mx = mx.array(lens[:, None])
+    pad_mx, lens_mx = mx.array(pad[:, None]), mx.array(lens[:, None])
+    lo_mx, hi_mx = mx.array(np.full((B, 1), n_pad)), mx.array((n_pad + hole)[:, None])
     running = [True] * B
     while True:
         if capture:
@@ -79,8 +110,9 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
             idx = mx.array(live)
             cache.select(idx)
             rows, fed_idx = fed, list(range(len(live)))
-            nxt, pad_mx, lens_mx = nxt[idx], pad_mx[idx], lens_mx[idx]
-        key_ok = (mx.arange(cache.offset + 1)[None, :] >= pad_mx)[:, None, None, :]
+            nxt, pad_mx, lens_mx, lo_mx, hi_mx = nxt[idx], pad_mx[idx], lens_mx[idx], lo_mx[idx], hi_mx[idx]
+        cols = mx.arange(cache.offset + 1)[None, :]
+        key_ok = ((cols >= pad_mx) & ((cols < lo_mx) | (cols >= hi_mx)))[:, None, None, :]
         logits, hidden = model(nxt[:, None].astype(mx.int32), cache, lens_mx + (step - 1), key_ok)  # nxt's position
         cache.advance(1)
         nxt = mx.argmax(logits[:, -1], axis=-1)
@@ -147,6 +179,11 @@ def follow_up_suffix(target: Target, text: str) -> list[int]:
     return tok.encode(suffix)
 
 
+# Turn-2 shards over the same sequences made together (`GreedySource.companions`): their prompts share everything
+# but the follow-up request, so a group of 4 prefills each turn-1 sequence once instead of 4 times.
+SIBLINGS = 4
+
+
 class GreedySource:
     """The target's greedy answers to a JSONL prompts file, in the plan's order (see plan.py)."""
 
@@ -207,14 +244,82 @@ class GreedySource:
             saved.save(responses, hiddens, (wall0 + time.perf_counter() - t0, cpu0 + time.process_time() - c0))
             progress(len(part), sum(len(o) for o in outs))
         progress(len(job.rows) - len(keep), 0)
+        return self._made(job, prompts, keep, responses, hiddens, (wall0, cpu0))
+
+    def _made(self, job: Job, prompts: list[list[int]], keep: list[int], responses: dict[int, list[int]],
+              hiddens: dict[int, np.ndarray], resumed: tuple[float, float], made_with: list[str] | None = None) -> Made:
+        """A job's `Made` from its kept prompts (rows `keep` of the job) and their responses."""
+        eos = self.target.tokenizer.eos_ids
         index = [job.rows[i] for i in keep]
         sources = Counter(self.rows[self.order[r]].get("source", "") for r in index)
         return Made(
             seqs=[prompts[i] + responses[i] for i in range(len(prompts))], prompt_lens=[len(p) for p in prompts],
             index=index, turns=job.turn, hidden=[hiddens[i] for i in range(len(prompts))] if self.capture else None,
             info={"skipped_prompts": len(job.rows) - len(keep), "sources": dict(sorted(sources.items())),
-                  "eos_stops": sum(1 for r in responses.values() if r and r[-1] in tok.eos_ids),
-                  **({"resumed_seconds": round(wall0, 3), "resumed_cpu_seconds": round(cpu0, 3)} if wall0 else {})})
+                  "eos_stops": sum(1 for r in responses.values() if r and r[-1] in eos),
+                  **({"made_with": made_with} if made_with else {}),
+                  **({"resumed_seconds": round(resumed[0], 3), "resumed_cpu_seconds": round(resumed[1], 3)}
+                     if resumed[0] else {})})
+
+    def companions(self, job: Job, todo: list[Job]) -> list[Job]:
+        """The jobs of `todo` to make together with `job`: up to SIBLINGS - 1 later turn-2 passes over the same
+        sequences (the same group and part in later cycles of the plan), whose prompts differ only in the
+        follow-up request: each turn-1 sequence is then prefilled once for all of them (`make_group`)."""
+        if job.turn != 2:
+            return []
+        return [j for j in todo if j.index > job.index and j.turn == 2 and j.parents == job.parents
+                and j.rows == job.rows][: SIBLINGS - 1]
+
+    def make_group(self, jobs: list[Job], corpus: Corpus, progress: Callable[[int, int], None]) -> list[Made]:
+        """`make` for turn-2 jobs over the same rows (`companions`): the same sequences as each job made alone
+        (up to float rounding), each turn-1 sequence prefilled once per batch for every job's follow-up. Each job
+        keeps its own partial file; `info["made_with"]` names the group (its cost is shared)."""
+        if len(jobs) == 1:
+            return [self.make(jobs[0], corpus, progress)]
+        if any(j.turn != 2 or j.rows != jobs[0].rows or j.parents != jobs[0].parents for j in jobs):
+            raise ValueError("make_group takes turn-2 jobs over the same rows")
+        s, tok = self.settings, self.target.tokenizer
+        parts = [self.turn2_parts(corpus, j, set(tok.eos_ids)) for j in jobs]
+        keep = [[i for i, x in enumerate(p) if x is not None and 0 < len(x[0]) + len(x[1]) <= s.max_prompt_tokens]
+                for p in parts]
+        slot = [{i: k for k, i in enumerate(kept)} for kept in keep]  # row position -> index among a job's prompts
+        saved = [Partial(partial_path(corpus, j.name), [parts[g][i][0] + parts[g][i][1] for i in kept],
+                         s.max_new_tokens, self.capture) for g, (j, kept) in enumerate(zip(jobs, keep))]
+        loaded = [sv.load() for sv in saved]
+        responses, hiddens = [x[0] for x in loaded], [x[1] for x in loaded]
+        t0, c0 = time.perf_counter(), time.process_time()
+        share = [x[2] for x in loaded]  # each job's (wall, CPU) seconds before this run
+        prefix = {i: parts[g][i][0] for g in range(len(jobs)) for i in keep[g]}
+        batches, cur, width = [], [], 0  # row positions, shortest prefixes first, <= batch_size branches a batch
+        for i in sorted(prefix, key=lambda i: (len(prefix[i]), i)):
+            n = sum(i in sl for sl in slot)
+            if cur and width + n > s.batch_size:
+                batches.append(cur)
+                cur, width = [], 0
+            cur.append(i)
+            width += n
+        if cur:
+            batches.append(cur)
+        for rows in batches:
+            branches = [(g, i) for k, i in enumerate(rows) for g in range(len(jobs)) if i in slot[g]]
+            if all(slot[g][i] in responses[g] for g, i in branches):
+                progress(len(branches), 0)
+                continue
+            outs, hid = generate_greedy(self.target.model, [prefix[i] for i in rows], s.max_new_tokens, tok.eos_ids,
+                                        capture=self.capture,
+                                        branches=[(rows.index(i), parts[g][i][1]) for g, i in branches])
+            for k, ((g, i), o) in enumerate(zip(branches, outs)):
+                responses[g][slot[g][i]] = o
+                if hid is not None:
+                    hiddens[g][slot[g][i]] = hid[k]
+            spent = ((time.perf_counter() - t0) / len(jobs), (time.process_time() - c0) / len(jobs))
+            for g, sv in enumerate(saved):
+                sv.save(responses[g], hiddens[g], (share[g][0] + spent[0], share[g][1] + spent[1]))
+            progress(len(branches), sum(len(o) for o in outs))
+        progress(sum(len(j.rows) - len(kept) for j, kept in zip(jobs, keep)), 0)
+        names = [j.name for j in jobs]
+        return [self._made(j, [parts[g][i][0] + parts[g][i][1] for i in keep[g]], keep[g], responses[g], hiddens[g],
+                           share[g], names) for g, j in enumerate(jobs)]
 
     def answer(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray] | None]:
         """Greedy responses to a batch of prompts (and their hidden states when capturing)."""
@@ -235,6 +340,10 @@ class GreedySource:
     def turn2_prompts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[list[int] | None]:
         """Turn-2 prompts: the turn-1 sequence of each picked row + a follow-up; None where the first answer did
         not end with eos (cut at max_new_tokens) or is missing."""
+        return [None if x is None else x[0] + x[1] for x in self.turn2_parts(corpus, job, eos)]
+
+    def turn2_parts(self, corpus: Corpus, job: Job, eos: set[int]) -> list[tuple[list[int], list[int]] | None]:
+        """`turn2_prompts` as (the turn-1 sequence, the follow-up's ids) per row."""
         by_row: dict[int, np.ndarray] = {}
         for parent in job.parents:
             name = f"shard-{parent:05d}.npz"
@@ -246,11 +355,8 @@ class GreedySource:
                 seq = sh.sequence(i)
                 if len(seq) > sh.prompt_len[i] and int(seq[-1]) in eos:
                     by_row[r] = seq
-        out: list[list[int] | None] = []
+        out: list[tuple[list[int], list[int]] | None] = []
         for r in job.rows:
             seq = by_row.get(r)
-            if seq is None:
-                out.append(None)
-                continue
-            out.append(seq.tolist() + self.follow_ids[self.follow_choice(r, job.follow_pass)])
+            out.append(None if seq is None else (seq.tolist(), self.follow_ids[self.follow_choice(r, job.follow_pass)]))
         return out
