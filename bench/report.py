@@ -143,6 +143,26 @@ def readme(meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+BEGIN = "<!-- latest sweep: begin (rewritten by `python -m bench sweep`; the rest of this file is kept) -->"
+END = "<!-- latest sweep: end -->"
+
+
 def write_readme(path: Path, meta: dict[str, Any]) -> None:
-    """README.md of the results folder (atomically)."""
-    write_atomic(path, readme(meta))
+    """README.md of the results folder (atomically), by `write_section`."""
+    write_section(path, readme(meta))
+
+
+def write_section(path: Path, generated: str) -> None:
+    """Write a generated README (its first line a title) as the section between the BEGIN and END lines of the
+    file at `path`; whatever else the file holds (a hand-kept index of runs) stays as it is. A file without those
+    lines gets the section appended; a new file, the title and the section."""
+    title, _, body = generated.partition("\n")
+    section = f"{BEGIN}\n{body.strip()}\n{END}\n"
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        text = old[: old.index(BEGIN)] + section + old[old.index(END) + len(END):].lstrip("\n")
+    elif old.strip():
+        text = old.rstrip("\n") + "\n\n## Latest sweep\n\n" + section
+    else:
+        text = f"{title}\n\n{section}"
+    write_atomic(path, text)

@@ -58,7 +58,7 @@ def test_tiny_sweep_writes_everything(tmp_path):
     for key in ("speedup", "tokens_per_step", "time_split"):
         assert (out / res["files"][key]).read_bytes()[:4] == b"\x89PNG"
     readme = (out / "README.md").read_text()
-    assert readme.splitlines()[2].startswith("Machine state (float32 sweep")
+    assert any(line.startswith("Machine state (float32 sweep") for line in readme.splitlines()[:4])
     assert "| rnn | float32 | 0 | greedy | 1 | 2 |" in readme and "Step profile" in readme
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
 
@@ -66,6 +66,23 @@ def test_tiny_sweep_writes_everything(tmp_path):
     assert [r["drafter"] for r in report["rows"]] == ["lookup (no training)", "redrafter (shipped)"]
     assert all(r["equal_ar"] == 1.0 and r["width"] == 1 and r["beam_length"] == 2 for r in report["rows"])
     assert "| redrafter (shipped) | - | - | - | 1 | 2 |" in (out / "drafter-comparison.md").read_text()
+
+
+def test_a_sweep_rewrites_only_its_own_section_of_the_readme(tmp_path):
+    """A results folder's hand-kept README (an index of runs) survives every sweep; the latest sweep's section is
+    replaced, never repeated."""
+    from bench.report import BEGIN, END, write_section
+
+    path = tmp_path / "README.md"
+    path.write_text("# Benchmark results: x\n\n| run | what |\n|---|---|\n| `bench-1` | a hand-kept row |\n")
+    write_section(path, "# Benchmark results: x\n\nLatest run `run-1`.\n")
+    write_section(path, "# Benchmark results: x\n\nLatest run `run-2`.\n")
+    text = path.read_text()
+    assert text.startswith("# Benchmark results: x\n\n| run | what |") and "a hand-kept row" in text
+    assert text.count(BEGIN) == text.count(END) == 1 and "run-2" in text and "run-1" not in text
+    fresh = tmp_path / "new.md"
+    write_section(fresh, "# Benchmark results: y\n\nLatest run `run-3`.\n")
+    assert fresh.read_text().splitlines()[:3] == ["# Benchmark results: y", "", BEGIN]
 
 
 def test_temperature_axis_compares_acceptance_rules(target):
