@@ -9,7 +9,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mlx_redrafter.defaults import BENCH_GRID, DEFAULT_ANSWERS_WIDTH, DEFAULT_LOOKUP_MAX_LENGTH, WARMUP_TOKENS
+from mlx_redrafter.defaults import (
+    BENCH_GRID,
+    DEFAULT_ANSWERS_WIDTH,
+    DEFAULT_LOOKUP_INDEX,
+    DEFAULT_LOOKUP_MAX_LENGTH,
+    WARMUP_TOKENS,
+)
 from mlx_redrafter.errors import UserError
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -31,6 +37,7 @@ class BenchSpec:
     answers_widths: list[int] = field(default_factory=lambda: [DEFAULT_ANSWERS_WIDTH])  # per lookup cell
     drafter_vocabs: list[int | None] = field(default_factory=lambda: [None])  # per rnn cell; None: the default
     lookup_max_lengths: list[int] = field(default_factory=lambda: [DEFAULT_LOOKUP_MAX_LENGTH])  # per lookup cell
+    lookup_indexes: list[str] = field(default_factory=lambda: [DEFAULT_LOOKUP_INDEX])  # per lookup cell
     max_tokens: int = BENCH_GRID["max_tokens"]
     num_prompts: int = BENCH_GRID["num_prompts"]
     prompts_file: Path | None = None
@@ -56,6 +63,12 @@ class BenchSpec:
             raise UserError(f"--accepts takes exact and/or typical (got {','.join(self.accepts) or 'nothing'})")
         if not self.dtypes:
             raise UserError("--dtypes is empty")
+        from mlx_redrafter.draft.lookup import INDEXES
+
+        bad = [x for x in self.lookup_indexes if x not in INDEXES]
+        if bad or not self.lookup_indexes:
+            got = ",".join(self.lookup_indexes) or "nothing"
+            raise UserError(f"--lookup-indexes takes {', '.join(INDEXES)} (got {got})")
 
 
 def samplings(temperatures: list[float], accepts: tuple[str, ...] | list[str] = ("exact",)) -> list[Any]:
@@ -78,7 +91,8 @@ def configs_for(spec: BenchSpec, lm: Any) -> list[Any]:
         configs += [c for c in sweep.grid_configs(drafts, spec.widths, spec.lengths, spec.max_tokens, s,
                                                       answers_widths=tuple(spec.answers_widths),
                                                       drafter_vocabs=tuple(spec.drafter_vocabs),
-                                                      lookup_max_lengths=tuple(spec.lookup_max_lengths))
+                                                      lookup_max_lengths=tuple(spec.lookup_max_lengths),
+                                                      lookup_indexes=tuple(spec.lookup_indexes))
                     if c.name not in names]
     if spec.mlx_lm:
         from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs

@@ -18,6 +18,7 @@ from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_BEAM_LENGTH,
     DEFAULT_BEAM_WIDTH,
+    DEFAULT_LOOKUP_INDEX,
     DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
 )
@@ -56,7 +57,7 @@ class LookupOptions:
     answer table in steps where the context has nothing to copy (0 = off)."""
 
     width: int = DEFAULT_LOOKUP_WIDTH
-    index: str = "ngram"
+    index: str = DEFAULT_LOOKUP_INDEX
     max_length: int = DEFAULT_LOOKUP_MAX_LENGTH
     answers_width: int = DEFAULT_ANSWERS_WIDTH
 

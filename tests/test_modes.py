@@ -105,3 +105,15 @@ def test_sweep_configs_take_a_mode_of_the_tests_own_table():
     assert [c.name for c in configs] == ["ar", "suffix-else-rnn-w1-l3"]
     assert [c.is_ar for c in configs] == [True, False]
     assert config_name(MODES["none"]) == "ar"
+
+
+def test_sweep_configs_vary_the_lookup_index_of_the_lookup_modes_only():
+    from mlx_redrafter.defaults import DEFAULT_LOOKUP_INDEX
+    from mlx_redrafter.sweep import grid_configs
+
+    other = next(i for i in ("ngram", "ngram2") if i != DEFAULT_LOOKUP_INDEX)
+    configs = grid_configs(["lookup-else-rnn", "rnn"], [1], [3], max_tokens=4,
+                           lookup_indexes=(DEFAULT_LOOKUP_INDEX, other))
+    names = {c.name: c.options.lookup.index for c in configs if c.options.draft != "none"}
+    assert names == {"lookup-else-rnn-w1-l3": DEFAULT_LOOKUP_INDEX, f"lookup-else-rnn-w1-l3-i{other}": other,
+                     "rnn-w1-l3": DEFAULT_LOOKUP_INDEX}
