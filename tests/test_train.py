@@ -75,6 +75,33 @@ def test_branches_of_a_shared_prompt_match_their_full_prompts(target):
         assert a.shape == b.shape and np.allclose(a.astype(np.float32), b.astype(np.float32), atol=0.05)
 
 
+def test_prompts_that_join_a_running_batch_decide_what_they_decide_alone(target):
+    """Continuous batching in the data engine: groups of prompts join rows that are already decoding (longer and
+    shorter than them, so either side's cache is shifted to align them), finished rows leave, and every row still
+    decides the ids (and states) its prompt decides alone."""
+    from mlx_redrafter.train.greedy import GreedyRows, follow_up_suffix
+
+    tok = target.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    long_prompt = tok.encode_chat([{"role": "user", "content": " ".join(PROMPTS) * 3}])
+    sfx = follow_up_suffix(target, FOLLOW_UPS[0])
+    rows = GreedyRows(target.model, 10, tok.eos_ids, capture=True)
+    rows.add(ids[:2], [(0, []), (1, [])], ["a", "b"])
+    for _ in range(3):
+        rows.step()
+    rows.add([long_prompt], [(0, [])], ["long"])  # longer than the running rows' cache: they shift
+    rows.step()
+    rows.add(ids[2:4], [(0, sfx), (1, []), (1, sfx)], ["c+", "d", "d+"])  # shorter: the new rows shift
+    while rows.live:
+        rows.step()
+    wanted = {"a": ids[0], "b": ids[1], "long": long_prompt, "c+": ids[2] + sfx, "d": ids[3], "d+": ids[3] + sfx}
+    for key, prompt in wanted.items():
+        (alone,), (h_alone,) = generate_greedy(target.model, [prompt], 10, tok.eos_ids, capture=True)
+        out, h = rows.result(key)
+        assert out == alone, key
+        assert np.allclose(h.astype(np.float32), h_alone.astype(np.float32), atol=0.05), key
+
+
 def test_turn2_passes_over_the_same_sequences_are_made_together(target, prompts_file, corpus_dirs, tmp_path):
     """The data job makes the later turn-2 passes over a group's sequences together (one prefill for their
     follow-ups): each shard holds what it holds made alone, and its manifest entry names its group."""

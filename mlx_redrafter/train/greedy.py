@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_redrafter.cache import KVCache
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model, forward_chunked
@@ -25,6 +26,192 @@ from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
 from mlx_redrafter.train.distill import Made, partial_path
 from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, follow_choice, plan_jobs, plan_order
+
+
+class GreedyRows:
+    """Sequences decoding greedily together in one KV cache, to which groups of prompts can be added while others
+    run (so that a batch stays full while its rows finish at different lengths).
+
+    `add` prefills a group of prompts (and the branches that continue them: `generate_greedy`) in a cache of its
+    own and joins it to the running rows: both caches are aligned on their last column (the shorter one padded on
+    the left, its pad slots masked out) and stacked. `step` feeds every running row its last token; a row stops at
+    an eos id or after `max_new_tokens` tokens. Each row keeps its own positions and the slots it may attend to
+    (left padding and the empty slots of a short suffix are hidden), so a row decides what it would alone.
+    Finished rows leave the cache once fewer than `compact_below` of its rows still run, or before a group joins.
+    """
+
+    def __init__(self, model: Model, max_new_tokens: int, eos_ids: list[int], capture: bool = False,
+                 compact_below: float = 0.75):
+        if not eos_ids:
+            raise UserError("the target tokenizer has no eos id: cannot pad or stop generations")
+        self.model, self.max_new, self.eos_ids, self.capture = model, max_new_tokens, list(eos_ids), capture
+        self.eos, self.compact_below = set(eos_ids), compact_below
+        self.cache: KVCache | None = None
+        self.keys: list[object] = []  # per cache row: its key
+        self.pad = np.zeros(0, dtype=np.int64)  # per cache row: slots before its first token
+        self.lo = np.zeros(0, dtype=np.int64)  # per cache row: empty slots [lo, hi) before its suffix
+        self.hi = np.zeros(0, dtype=np.int64)
+        self.pos = np.zeros(0, dtype=np.int64)  # per cache row: the position of the token it feeds next
+        self.nxt = mx.zeros((0,), dtype=mx.int32)
+        self.h = mx.zeros((0, model.args.hidden_size), dtype=mx.float16)
+        self.out: dict[object, list[int]] = {}
+        self.hids: dict[object, list[np.ndarray]] = {}
+        self.running: dict[object, bool] = {}
+
+    @property
+    def live(self) -> int:
+        """Rows still generating."""
+        return sum(self.running[k] for k in self.keys)
+
+    def finished(self, key: object) -> bool:
+        return key in self.running and not self.running[key]
+
+    def result(self, key: object) -> tuple[list[int], np.ndarray | None]:
+        """A finished row's response (and its hidden states with `capture`), handed over once."""
+        out, hids = self.out.pop(key), self.hids.pop(key)
+        return out, (np.stack(hids[: len(out)]) if self.capture else None)
+
+    def add(self, prompts: list[list[int]], branches: list[tuple[int, list[int]]], keys: list[object]) -> None:
+        """Prefill `prompts` and start a row per branch (i, suffix): prompts[i] + suffix, under its key."""
+        model, pad_id = self.model, self.eos_ids[0]
+        B = len(branches)
+        tok, positions, mask, pad = left_padded(prompts, pad_id)
+        n_pad = tok.shape[1]
+        S = max(len(s) for _, s in branches)
+        cache = model.make_cache(n_pad + S + self.max_new)
+        logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
+        of = np.array([i for i, _ in branches])
+        lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
+        pad = pad[of]
+        hole = np.array([S - len(s) for _, s in branches])  # empty slots at the start of a row's suffix block
+        nxt, h = mx.argmax(logits[:, -1], axis=-1), hidden[:, -1]
+        if of.tolist() != list(range(len(prompts))):  # a cache row per branch
+            idx = mx.array(of)
+            cache.select(idx)
+            nxt, h = nxt[idx], h[idx]
+        if S:
+            block = np.full((B, S), pad_id, dtype=np.int32)
+            for b, (_, s) in enumerate(branches):
+                block[b, hole[b]:] = s
+            cols = np.arange(n_pad + S)
+            in_hole = (cols[None, :] >= n_pad) & (cols[None, :] < n_pad + hole[:, None])
+            key_ok = (cols[None, :] >= pad[:, None]) & ~in_hole
+            q = np.arange(S)
+            sees = key_ok[:, None, :] & (cols[None, None, :] <= n_pad + q[None, :, None])
+            sees[:, q, n_pad + q] = True  # an empty slot's query sees itself
+            pos = np.maximum((lens - S)[:, None] + q[None, :], 0)
+            logits, hidden = forward_chunked(model, cache, mx.array(block), mx.array(pos, dtype=mx.int32),
+                                             mx.array(sees[:, None]))
+            fed = mx.array(hole < S)  # rows whose suffix is not empty take their first token from it
+            nxt = mx.where(fed, mx.argmax(logits[:, -1], axis=-1), nxt)
+            h = mx.where(fed[:, None], hidden[:, -1], h)
+        nxt, h = nxt.astype(mx.int32), h.astype(mx.float16)
+        lo, hi = np.full(B, n_pad), n_pad + hole
+        self._compact()
+        if self.cache is None:
+            self.cache = cache
+        else:
+            shift = self.cache.offset - cache.offset  # > 0: the new rows start later; < 0: the running rows do
+            if shift < 0:
+                _shift_right(self.cache, -shift)
+                self.pad, self.lo, self.hi = self.pad - shift, self.lo - shift, self.hi - shift
+            elif shift > 0:
+                _shift_right(cache, shift)
+                pad, lo, hi = pad + shift, lo + shift, hi + shift
+            _stack(self.cache, cache)
+        self.keys += list(keys)
+        self.pad, self.lo, self.hi = np.concatenate([self.pad, pad]), np.concatenate([self.lo, lo]), np.concatenate(
+            [self.hi, hi])
+        self.pos = np.concatenate([self.pos, lens])
+        self.nxt, self.h = mx.concatenate([self.nxt, nxt]), mx.concatenate([self.h, h])
+        for k in keys:
+            self.out[k], self.hids[k], self.running[k] = [], [], True
+        self._take(list(range(len(self.keys) - B, len(self.keys))))
+
+    def step(self) -> None:
+        """One forward for every row (finished rows still in the cache included): each running row decides its
+        next token."""
+        if not self.live:
+            return
+        if self.live < self.compact_below * len(self.keys):
+            self._compact()
+        cache = self.cache
+        cols = mx.arange(cache.offset + 1)[None, :]
+        pad, lo, hi = (mx.array(a[:, None]) for a in (self.pad, self.lo, self.hi))
+        key_ok = ((cols >= pad) & ((cols < lo) | (cols >= hi)))[:, None, None, :]
+        logits, hidden = self.model(self.nxt[:, None], cache, mx.array(self.pos[:, None], dtype=mx.int32), key_ok)
+        cache.advance(1)
+        self.pos = self.pos + 1
+        self.nxt = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        self.h = hidden[:, 0].astype(mx.float16)
+        self._take([i for i, k in enumerate(self.keys) if self.running[k]])
+
+    def _take(self, rows: list[int]) -> None:
+        """Record the tokens (and states) just decided for these cache rows."""
+        if self.capture:
+            mx.eval(self.nxt, self.h)
+            h = np.array(self.h)
+        new = self.nxt.tolist()
+        for i in rows:
+            k = self.keys[i]
+            self.out[k].append(new[i])
+            if self.capture:
+                self.hids[k].append(h[i])
+            self.running[k] = new[i] not in self.eos and len(self.out[k]) < self.max_new
+
+    def _compact(self) -> None:
+        """Drop the finished rows from the cache, and the leading slots no remaining row uses."""
+        if self.cache is None:
+            return
+        keep = [i for i, k in enumerate(self.keys) if self.running[k]]
+        if len(keep) == len(self.keys):
+            return
+        if not keep:
+            self.cache, self.keys = None, []
+            self.pad = self.lo = self.hi = self.pos = np.zeros(0, dtype=np.int64)
+            self.nxt, self.h = self.nxt[:0], self.h[:0]
+            return
+        idx = mx.array(keep)
+        self.cache.select(idx)
+        self.keys = [self.keys[i] for i in keep]
+        self.pad, self.lo, self.hi, self.pos = self.pad[keep], self.lo[keep], self.hi[keep], self.pos[keep]
+        self.nxt, self.h = self.nxt[idx], self.h[idx]
+        first = int(self.pad.min())
+        if first >= 64:
+            _drop_left(self.cache, first)
+            self.pad, self.lo, self.hi = self.pad - first, self.lo - first, self.hi - first
+
+
+def _shift_right(cache: KVCache, n: int) -> None:
+    """n empty slots before every row's entries (the cache grows by n)."""
+    for i in range(cache.num_layers):
+        if cache.keys[i] is not None:
+            grow = [(0, 0), (0, 0), (n, 0), (0, 0)]
+            cache.keys[i], cache.values[i] = mx.pad(cache.keys[i], grow), mx.pad(cache.values[i], grow)
+    cache.offset += n
+    cache.capacity = cache.keys[0].shape[2]
+
+
+def _drop_left(cache: KVCache, n: int) -> None:
+    """Forget the first n slots of every row."""
+    for i in range(cache.num_layers):
+        if cache.keys[i] is not None:
+            cache.keys[i], cache.values[i] = cache.keys[i][:, :, n:], cache.values[i][:, :, n:]
+    cache.offset -= n
+    cache.capacity = cache.keys[0].shape[2]
+
+
+def _stack(cache: KVCache, other: KVCache) -> None:
+    """Append the rows of `other` (same offset) to `cache`."""
+    def fit(x: mx.array, size: int) -> mx.array:
+        return x if x.shape[2] == size else mx.pad(x, [(0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)])
+
+    for i in range(cache.num_layers):
+        size = max(cache.keys[i].shape[2], other.keys[i].shape[2])
+        cache.keys[i] = mx.concatenate([fit(cache.keys[i], size), fit(other.keys[i], size)])
+        cache.values[i] = mx.concatenate([fit(cache.values[i], size), fit(other.values[i], size)])
+    cache.capacity = cache.keys[0].shape[2]
+    mx.eval(*cache.keys, *cache.values)
 
 
 def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
@@ -37,89 +224,17 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
 
     With `branches` [(i, suffix), ...], one response per branch instead: to prompts[i] + suffix. Each prompt is
     prefilled once however many branches continue it (e.g. several follow-up requests to one conversation), then
-    its cache row is copied per branch and the suffixes are fed together.
-
-    Left padding with the model's own eos id (never a real token as padding); each row gets positions
-    0..n-1 and a mask hiding its pad slots (and, with branches, the slots a shorter suffix leaves empty: suffixes
-    are right-aligned in one block after the prompts). Finished rows are dropped from the batch (and its KV cache)
-    once fewer than `compact_below` of the rows still run.
+    its cache row is copied per branch and the suffixes are fed together (right-aligned in one block after the
+    prompts). Left padding with the model's own eos id (never a real token as padding); see `GreedyRows`.
     """
-    if not eos_ids:
-        raise UserError("the target tokenizer has no eos id: cannot pad or stop generations")
     if branches is None:
         branches = [(i, []) for i in range(len(prompts))]
-    B = len(branches)
-    eos = set(eos_ids)
-    tok, positions, mask, pad = left_padded(prompts, eos_ids[0])
-    n_pad = tok.shape[1]
-    S = max(len(s) for _, s in branches)
-    cache = model.make_cache(n_pad + S + max_new_tokens)
-    logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
-    of = np.array([i for i, _ in branches])
-    lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
-    pad = pad[of]
-    hole = np.array([S - len(s) for _, s in branches])  # empty slots at the start of a row's suffix block
-    nxt, h_last = mx.argmax(logits[:, -1], axis=-1), hidden[:, -1]
-    if of.tolist() != list(range(len(prompts))):  # a cache row per branch
-        idx = mx.array(of)
-        cache.select(idx)
-        nxt, h_last = nxt[idx], h_last[idx]
-    if S:
-        block = np.full((B, S), eos_ids[0], dtype=np.int32)
-        for b, (_, s) in enumerate(branches):
-            block[b, hole[b]:] = s
-        cols = np.arange(n_pad + S)
-        key_ok = (cols[None, :] >= pad[:, None]) & ((cols[None, :] < n_pad) | (cols[None, :] >= n_pad + hole[:, None]))
-        q = np.arange(S)
-        sees = key_ok[:, None, :] & (cols[None, None, :] <= n_pad + q[None, :, None])
-        sees[:, q, n_pad + q] = True  # an empty slot's query sees itself
-        pos = (lens - S)[:, None] + q[None, :]
-        logits, hidden = forward_chunked(model, cache, mx.array(block), mx.array(np.maximum(pos, 0), dtype=mx.int32),
-                                         mx.array(sees[:, None]))
-        fed = mx.array(hole < S)  # rows whose suffix is not empty take their first token from it
-        nxt = mx.where(fed, mx.argmax(logits[:, -1], axis=-1), nxt)
-        h_last = mx.where(fed[:, None], hidden[:, -1], h_last)
-    h_last = h_last.astype(mx.float16)
-    out: list[list[int]] = [[] for _ in range(B)]
-    hids: list[list[np.ndarray]] = [[] for _ in range(B)]
-    fed, fed_idx = list(range(B)), list(range(B))
-    rows = list(range(B))  # original index of each batch row
-    pad_mx, lens_mx = mx.array(pad[:, None]), mx.array(lens[:, None])
-    lo_mx, hi_mx = mx.array(np.full((B, 1), n_pad)), mx.array((n_pad + hole)[:, None])
-    running = [True] * B
-    while True:
-        if capture:
-            mx.eval(nxt, h_last)
-            h_np = np.array(h_last)
-            for j, r in zip(fed_idx, fed):
-                hids[r].append(h_np[j])
-        new = nxt.tolist()
-        live = []
-        for i, (r, t) in enumerate(zip(rows, new)):
-            if running[r]:
-                out[r].append(t)
-                running[r] = t not in eos and len(out[r]) < max_new_tokens
-            if running[r]:
-                live.append(i)
-        if not live:
-            break
-        step = len(out[rows[live[0]]])  # tokens generated so far by every running row (they move in lockstep)
-        fed = [rows[i] for i in live]
-        fed_idx = live
-        if len(live) < compact_below * len(rows):
-            idx = mx.array(live)
-            cache.select(idx)
-            rows, fed_idx = fed, list(range(len(live)))
-            nxt, pad_mx, lens_mx, lo_mx, hi_mx = nxt[idx], pad_mx[idx], lens_mx[idx], lo_mx[idx], hi_mx[idx]
-        cols = mx.arange(cache.offset + 1)[None, :]
-        key_ok = ((cols >= pad_mx) & ((cols < lo_mx) | (cols >= hi_mx)))[:, None, None, :]
-        logits, hidden = model(nxt[:, None].astype(mx.int32), cache, lens_mx + (step - 1), key_ok)  # nxt's position
-        cache.advance(1)
-        nxt = mx.argmax(logits[:, -1], axis=-1)
-        h_last = hidden[:, 0].astype(mx.float16)
-    if not capture:
-        return out, None
-    return out, [np.stack(h[: len(o)]) for h, o in zip(hids, out)]
+    rows = GreedyRows(model, max_new_tokens, eos_ids, capture, compact_below)
+    rows.add(prompts, branches, list(range(len(branches))))
+    while rows.live:
+        rows.step()
+    results = [rows.result(b) for b in range(len(branches))]
+    return [o for o, _ in results], ([h for _, h in results] if capture else None)
 
 
 class Partial:
@@ -182,6 +297,8 @@ def follow_up_suffix(target: Target, text: str) -> list[int]:
 # Turn-2 shards over the same sequences made together (`GreedySource.companions`): their prompts share everything
 # but the follow-up request, so a group of 4 prefills each turn-1 sequence once instead of 4 times.
 SIBLINGS = 4
+# Rows of a unit that joins a running batch (`GreedySource.make_group`): a unit joins once as many rows have finished.
+JOIN_ROWS = 16
 
 
 class GreedySource:
@@ -272,8 +389,10 @@ class GreedySource:
 
     def make_group(self, jobs: list[Job], corpus: Corpus, progress: Callable[[int, int], None]) -> list[Made]:
         """`make` for turn-2 jobs over the same rows (`companions`): the same sequences as each job made alone
-        (up to float rounding), each turn-1 sequence prefilled once per batch for every job's follow-up. Each job
-        keeps its own partial file; `info["made_with"]` names the group (its cost is shared)."""
+        (up to float rounding), each turn-1 sequence prefilled once for every job's follow-up. Units of up to
+        JOIN_ROWS rows join the running batch (`GreedyRows`) whenever that many of its rows have finished, so the
+        batch stays full until the last unit. Each job keeps its own partial file; `info["made_with"]` names the
+        group (its cost is shared)."""
         if len(jobs) == 1:
             return [self.make(jobs[0], corpus, progress)]
         if any(j.turn != 2 or j.rows != jobs[0].rows or j.parents != jobs[0].parents for j in jobs):
@@ -290,32 +409,45 @@ class GreedySource:
         t0, c0 = time.perf_counter(), time.process_time()
         share = [x[2] for x in loaded]  # each job's (wall, CPU) seconds before this run
         prefix = {i: parts[g][i][0] for g in range(len(jobs)) for i in keep[g]}
-        batches, cur, width = [], [], 0  # row positions, shortest prefixes first, <= batch_size branches a batch
+        units, cur, width = [], [], 0  # row positions, shortest prefixes first, <= JOIN_ROWS branches a unit
         for i in sorted(prefix, key=lambda i: (len(prefix[i]), i)):
             n = sum(i in sl for sl in slot)
-            if cur and width + n > s.batch_size:
-                batches.append(cur)
+            if cur and width + n > min(JOIN_ROWS, s.batch_size):
+                units.append(cur)
                 cur, width = [], 0
             cur.append(i)
             width += n
         if cur:
-            batches.append(cur)
-        for rows in batches:
-            branches = [(g, i) for k, i in enumerate(rows) for g in range(len(jobs)) if i in slot[g]]
-            if all(slot[g][i] in responses[g] for g, i in branches):
+            units.append(cur)
+        pending = deque()
+        for rows in units:
+            branches = [(g, i) for i in rows for g in range(len(jobs)) if i in slot[g]]
+            if all(slot[g][i] in responses[g] for g, i in branches):  # made before an interruption
                 progress(len(branches), 0)
-                continue
-            outs, hid = generate_greedy(self.target.model, [prefix[i] for i in rows], s.max_new_tokens, tok.eos_ids,
-                                        capture=self.capture,
-                                        branches=[(rows.index(i), parts[g][i][1]) for g, i in branches])
-            for k, ((g, i), o) in enumerate(zip(branches, outs)):
-                responses[g][slot[g][i]] = o
-                if hid is not None:
-                    hiddens[g][slot[g][i]] = hid[k]
-            spent = ((time.perf_counter() - t0) / len(jobs), (time.process_time() - c0) / len(jobs))
-            for g, sv in enumerate(saved):
-                sv.save(responses[g], hiddens[g], (share[g][0] + spent[0], share[g][1] + spent[1]))
-            progress(len(branches), sum(len(o) for o in outs))
+            else:
+                pending.append((rows, branches))
+        # continuous batching: a unit joins the running rows as soon as there is room for it
+        running, waiting, unsaved = GreedyRows(self.target.model, s.max_new_tokens, tok.eos_ids, self.capture), [], 0
+        while pending or running.live:
+            while pending and (not running.live or running.live + len(pending[0][1]) <= s.batch_size):
+                rows, branches = pending.popleft()
+                running.add([prefix[i] for i in rows], [(rows.index(i), parts[g][i][1]) for g, i in branches],
+                            branches)
+                waiting.append(branches)
+            running.step()
+            for branches in [b for b in waiting if all(running.finished(key) for key in b)]:
+                waiting.remove(branches)
+                for g, i in branches:
+                    responses[g][slot[g][i]], hid = running.result((g, i))
+                    if hid is not None:
+                        hiddens[g][slot[g][i]] = hid
+                progress(len(branches), sum(len(responses[g][slot[g][i]]) for g, i in branches))
+                unsaved += len(branches)
+            if unsaved >= s.batch_size or (unsaved and not (pending or running.live)):
+                spent = ((time.perf_counter() - t0) / len(jobs), (time.process_time() - c0) / len(jobs))
+                for g, sv in enumerate(saved):
+                    sv.save(responses[g], hiddens[g], (share[g][0] + spent[0], share[g][1] + spent[1]))
+                unsaved = 0
         progress(sum(len(j.rows) - len(kept) for j, kept in zip(jobs, keep)), 0)
         names = [j.name for j in jobs]
         return [self._made(j, [parts[g][i][0] + parts[g][i][1] for i in keep[g]], keep[g], responses[g], hiddens[g],
