@@ -27,6 +27,8 @@ from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
 from mlx_redrafter.train.distill import Made, partial_path
 from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, follow_choice, plan_jobs, plan_order
 
+ROOM = 256  # free slots a running cache keeps after its rows' entries when it is laid out anew
+
 
 class GreedyRows:
     """Sequences decoding greedily together in one KV cache, to which groups of prompts can be added while others
@@ -78,7 +80,7 @@ class GreedyRows:
         tok, positions, mask, pad = left_padded(prompts, pad_id)
         n_pad = tok.shape[1]
         S = max(len(s) for _, s in branches)
-        cache = model.make_cache(n_pad + S + self.max_new)
+        cache = model.make_cache(n_pad + S)  # it joins the running rows' cache, which grows as they decode
         logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
         of = np.array([i for i, _ in branches])
         lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
@@ -172,7 +174,7 @@ class GreedyRows:
             self.nxt, self.h = self.nxt[:0], self.h[:0]
             return
         idx = mx.array(keep)
-        self.cache.select(idx)
+        _relayout(self.cache, lambda a: a[idx])
         self.keys = [self.keys[i] for i in keep]
         self.pad, self.lo, self.hi, self.pos = self.pad[keep], self.lo[keep], self.hi[keep], self.pos[keep]
         self.nxt, self.h = self.nxt[idx], self.h[idx]
@@ -182,36 +184,43 @@ class GreedyRows:
             self.pad, self.lo, self.hi = self.pad - first, self.lo - first, self.hi - first
 
 
-def _shift_right(cache: KVCache, n: int) -> None:
-    """n empty slots before every row's entries (the cache grows by n)."""
+def _relayout(cache: KVCache, fn: Callable[[mx.array], mx.array], other: KVCache | None = None) -> None:
+    """Replace every layer's keys and values a by fn(a) (or fn(a, b) with `other`'s b), one layer at a time, so
+    that the cache is never held twice (a 64-row cache of a turn-2 batch holds several GB)."""
     for i in range(cache.num_layers):
-        if cache.keys[i] is not None:
-            grow = [(0, 0), (0, 0), (n, 0), (0, 0)]
-            cache.keys[i], cache.values[i] = mx.pad(cache.keys[i], grow), mx.pad(cache.values[i], grow)
-    cache.offset += n
+        if cache.keys[i] is None:
+            continue
+        if other is None:
+            cache.keys[i], cache.values[i] = fn(cache.keys[i]), fn(cache.values[i])
+        else:
+            cache.keys[i], cache.values[i] = fn(cache.keys[i], other.keys[i]), fn(cache.values[i], other.values[i])
+        mx.eval(cache.keys[i], cache.values[i])
     cache.capacity = cache.keys[0].shape[2]
+    mx.clear_cache()  # the freed layouts are not reused: give them back
+
+
+def _fit(a: mx.array, n: int) -> mx.array:
+    """a (B, h, S, D) cut or zero-padded to n slots."""
+    return a[:, :, :n] if a.shape[2] >= n else mx.pad(a, [(0, 0), (0, 0), (0, n - a.shape[2]), (0, 0)])
+
+
+def _shift_right(cache: KVCache, n: int) -> None:
+    """n empty slots before every row's entries (keeping ROOM free slots after them)."""
+    _relayout(cache, lambda a: mx.pad(_fit(a, cache.offset + ROOM), [(0, 0), (0, 0), (n, 0), (0, 0)]))
+    cache.offset += n
 
 
 def _drop_left(cache: KVCache, n: int) -> None:
     """Forget the first n slots of every row."""
-    for i in range(cache.num_layers):
-        if cache.keys[i] is not None:
-            cache.keys[i], cache.values[i] = cache.keys[i][:, :, n:], cache.values[i][:, :, n:]
+    _relayout(cache, lambda a: a[:, :, n:])
     cache.offset -= n
-    cache.capacity = cache.keys[0].shape[2]
 
 
 def _stack(cache: KVCache, other: KVCache) -> None:
-    """Append the rows of `other` (same offset) to `cache`."""
-    def fit(x: mx.array, size: int) -> mx.array:
-        return x if x.shape[2] == size else mx.pad(x, [(0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)])
-
-    for i in range(cache.num_layers):
-        size = max(cache.keys[i].shape[2], other.keys[i].shape[2])
-        cache.keys[i] = mx.concatenate([fit(cache.keys[i], size), fit(other.keys[i], size)])
-        cache.values[i] = mx.concatenate([fit(cache.values[i], size), fit(other.values[i], size)])
-    cache.capacity = cache.keys[0].shape[2]
-    mx.eval(*cache.keys, *cache.values)
+    """Append the rows of `other` (same offset) to `cache`, keeping ROOM free slots after the offset (a cache that
+    runs out of them grows as it decodes, for a moment twice its size)."""
+    end = cache.offset + ROOM
+    _relayout(cache, lambda a, b: mx.concatenate([_fit(a, end), _fit(b, end)]), other)
 
 
 def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
