@@ -79,7 +79,7 @@ def test_prompts_that_join_a_running_batch_decide_what_they_decide_alone(target)
     """Continuous batching in the data engine: groups of prompts join rows that are already decoding (longer and
     shorter than them, so either side's cache is shifted to align them), finished rows leave, and every row still
     decides the ids (and states) its prompt decides alone."""
-    from mlx_redrafter.train.greedy import GreedyRows, follow_up_suffix
+    from mlx_redrafter.train.greedy import ROOM, GreedyRows, follow_up_suffix
 
     tok = target.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -92,6 +92,7 @@ def test_prompts_that_join_a_running_batch_decide_what_they_decide_alone(target)
     rows.add([long_prompt], [(0, [])], ["long"])  # longer than the running rows' cache: they shift
     rows.step()
     rows.add(ids[2:4], [(0, sfx), (1, []), (1, sfx)], ["c+", "d", "d+"])  # shorter: the new rows shift
+    assert rows.cache.keys[0].shape[2] == rows.cache.offset + ROOM  # no more free slots than that after a join
     while rows.live:
         rows.step()
     wanted = {"a": ids[0], "b": ids[1], "long": long_prompt, "c+": ids[2] + sfx, "d": ids[3], "d+": ids[3] + sfx}

@@ -270,8 +270,8 @@ class Partial:
                     return {}, {}, (0.0, 0.0)
                 idx, offsets, tokens = z["index"].tolist(), z["offsets"], z["tokens"]
                 responses = {i: tokens[offsets[k]:offsets[k + 1]].tolist() for k, i in enumerate(idx)}
-                hiddens = ({i: z["hidden"][offsets[k]:offsets[k + 1]] for k, i in enumerate(idx)}
-                           if self.capture else {})
+                hidden = z["hidden"] if self.capture else None  # each z[...] reads the array from the file anew
+                hiddens = {i: hidden[offsets[k]:offsets[k + 1]] for k, i in enumerate(idx)} if self.capture else {}
                 spent = tuple(float(x) for x in z["spent"]) if "spent" in z.files else (0.0, 0.0)
         except (OSError, ValueError, KeyError, IndexError):
             return {}, {}, (0.0, 0.0)
