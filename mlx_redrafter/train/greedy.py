@@ -73,14 +73,17 @@ class GreedyRows:
         out, hids = self.out.pop(key), self.hids.pop(key)
         return out, (np.stack(hids[: len(out)]) if self.capture else None)
 
-    def add(self, prompts: list[list[int]], branches: list[tuple[int, list[int]]], keys: list[object]) -> None:
-        """Prefill `prompts` and start a row per branch (i, suffix): prompts[i] + suffix, under its key."""
+    def add(self, prompts: list[list[int]], branches: list[tuple[int, list[int]]], keys: list[object],
+            room: int = ROOM) -> None:
+        """Prefill `prompts` and start a row per branch (i, suffix): prompts[i] + suffix, under its key. A first
+        group's cache keeps `room` free slots per row for decoding (the cache grows, for a moment twice its size,
+        when the rows outlast them)."""
         model, pad_id = self.model, self.eos_ids[0]
         B = len(branches)
         tok, positions, mask, pad = left_padded(prompts, pad_id)
         n_pad = tok.shape[1]
         S = max(len(s) for _, s in branches)
-        cache = model.make_cache(n_pad + S)  # it joins the running rows' cache, which grows as they decode
+        cache = model.make_cache(n_pad + S + (room if self.cache is None else 0))
         logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
         of = np.array([i for i, _ in branches])
         lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
@@ -239,7 +242,7 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
     if branches is None:
         branches = [(i, []) for i in range(len(prompts))]
     rows = GreedyRows(model, max_new_tokens, eos_ids, capture, compact_below)
-    rows.add(prompts, branches, list(range(len(branches))))
+    rows.add(prompts, branches, list(range(len(branches))), room=max_new_tokens)
     while rows.live:
         rows.step()
     results = [rows.result(b) for b in range(len(branches))]
