@@ -1,7 +1,9 @@
 """Self-distillation: the target's own greedy answers to the plan's prompts, generated in batches.
 
-`generate_greedy` is the engine (the runtime's own model and dtype, left-padded batches, finished rows dropped);
-`GreedySource` turns the plan (`plan.py`) into shards for `distill.grow`.
+`GreedyRows` is the engine (the runtime's own model and dtype; rows with their own positions and masks in one KV
+cache, groups of prompts joining as rows finish); `generate_greedy` answers one batch of prompts with it;
+`GreedySource` turns the plan (`plan.py`) into shards for `distill.grow`, making the later turn-2 passes over the
+same sequences together (`companions`, `make_group`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class GreedyRows:
         group's cache keeps `room` free slots per row for decoding (the cache grows, for a moment twice its size,
         when the rows outlast them)."""
         model, pad_id = self.model, self.eos_ids[0]
+        self._compact()
         B = len(branches)
         tok, positions, mask, pad = left_padded(prompts, pad_id)
         n_pad = tok.shape[1]
@@ -112,7 +115,6 @@ class GreedyRows:
             h = mx.where(fed[:, None], hidden[:, -1], h)
         nxt, h = nxt.astype(mx.int32), h.astype(mx.float16)
         lo, hi = np.full(B, n_pad), n_pad + hole
-        self._compact()
         if self.cache is None:
             self.cache = cache
         else:
