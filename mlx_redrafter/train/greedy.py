@@ -68,6 +68,7 @@ class GreedyRows:
         return sum(self.running[k] for k in self.keys)
 
     def finished(self, key: object) -> bool:
+        """Whether the row under `key` has stopped (eos or its token limit)."""
         return key in self.running and not self.running[key]
 
     def result(self, key: object) -> tuple[list[int], np.ndarray | None]:
@@ -138,9 +139,10 @@ class GreedyRows:
     def step(self) -> None:
         """One forward for every row (finished rows still in the cache included): each running row decides its
         next token."""
-        if not self.live:
+        live = self.live
+        if not live:
             return
-        if self.live < self.compact_below * len(self.keys):
+        if live < self.compact_below * len(self.keys):
             self._compact()
         cache = self.cache
         cols = mx.arange(cache.offset + 1)[None, :]
@@ -440,7 +442,8 @@ class GreedySource:
             todo = [(g, i) for g, i in branches if slot[g][i] not in responses[g]]  # others: made before a stop
             progress(len(branches) - len(todo), 0)
             if todo:
-                rows = [i for i in rows if any(i == j for _, j in todo)]
+                needed = {i for _, i in todo}
+                rows = [i for i in rows if i in needed]
                 pending.append((rows, todo))
         # continuous batching: a unit joins the running rows as soon as there is room for it
         running, waiting, unsaved = GreedyRows(self.target.model, s.max_new_tokens, tok.eos_ids, self.capture), [], 0
