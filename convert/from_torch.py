@@ -240,7 +240,8 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
     args, inferred = infer_args(ckpt, target_vocab)
     check_tensors(args, ckpt.tensors, ckpt.weights_file, ckpt.renamed)
     if target is not None:
-        check_compatible(args, target.model.args.hidden_size, target.model.args.vocab_size, str(ckpt.weights_file))
+        check_compatible(args, target.model.args.hidden_size, target.model.args.vocab_size, str(ckpt.weights_file),
+                         target.model.args.num_hidden_layers)
     if quantize is not None:
         args.check_quantization(quantize, group_size)
     head = f"lm_head.{args.num_draft_layers}.weight"

@@ -79,6 +79,9 @@ def export(path: str | Path, out: str | Path, dtype: str = "auto", approximate: 
     if dtype not in ("auto", *DTYPES):
         raise UserError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     d = load_drafter(src, dtype=None)  # stored dtypes; one-line UserErrors for missing/corrupt input
+    if d.args.feature_layers:
+        raise UserError(f"{src} fuses target layers {d.args.feature_layers} into its context (feature_layers), "
+                        f"which Apple's format cannot express: it has no export")
     q = d.args.quantization
     if q:
         if not dequantize:

@@ -22,7 +22,13 @@ from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.base import Allocator
 from mlx_redrafter.draft.kinds import AnyDrafter, draft_kind, load_any_drafter
 from mlx_redrafter.draft.modes import Mode
-from mlx_redrafter.draft.redrafter import Drafter, check_compatible, dequantize_drafter, random_drafter
+from mlx_redrafter.draft.redrafter import (
+    Drafter,
+    check_compatible,
+    dequantize_drafter,
+    random_drafter,
+    read_features,
+)
 from mlx_redrafter.drafter_spec import DrafterSpec, parse_drafter_spec  # noqa: F401 (re-exported)
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Record, Stats, generate_ar, generate_speculative
@@ -74,7 +80,14 @@ class Result:
 
 
 def resolve_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None, str]:
-    """(drafter, name) for a spec; 'default' is the shipped drafter of this model, or none."""
+    """(drafter, name) for a spec; 'default' is the shipped drafter of this model, or none. The target's forward
+    is set to provide what the drafter reads (`read_features`)."""
+    drafter, name = _load_drafter(spec, target)
+    read_features(target.model, drafter)
+    return drafter, name
+
+
+def _load_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None, str]:
     d = parse_drafter_spec(spec)
     args, act = target.model.args, target.model.dtype
     if d.kind == "none":
@@ -88,7 +101,7 @@ def resolve_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None
         drafter, name = load_any_drafter(path, dtype=act), f"shipped:{target.name}"
     else:
         drafter, name = load_any_drafter(d.path, dtype=act), d.path
-    check_compatible(drafter.args, args.hidden_size, args.vocab_size, name)
+    check_compatible(drafter.args, args.hidden_size, args.vocab_size, name, args.num_hidden_layers)
     quantized = isinstance(drafter, Drafter) and drafter.args.quantization
     if quantized and act == mx.float32 and mx.default_device() == mx.cpu:
         _say_once(f"drafter {name} is {drafter.args.quantization['bits']}-bit quantized: dequantized to float32 "

@@ -395,8 +395,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
+TAP_EPS = 1e-5  # a tapped layer's output is divided by its RMS (this epsilon, no weight) before a drafter fuses it
+
+
 class Model(nn.Module):
-    """Llama causal LM: `model(tokens, cache, positions, mask) -> (logits, post-norm hidden)`."""
+    """Llama causal LM: `model(tokens, cache, positions, mask) -> (logits, hidden)`.
+
+    `hidden` is the post-norm state (..., H), followed, when `feature_layers` names layers, by each named layer's
+    output divided by its RMS: (..., H * (1 + len(feature_layers))). Those are the features a drafter that fuses
+    several layers reads (EAGLE-3's low, middle and high states); `draft.redrafter.read_features` sets them."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -406,6 +413,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._inv_freq, self._position_scale = inverse_frequencies(args)  # underscore: not parameters
         self.compiled: CompiledLayer | None = None  # see compile_layers
+        self.feature_layers: tuple[int, ...] = ()  # layers whose outputs follow the post-norm state in `hidden`
 
     def make_cache(self, capacity: int) -> KVCache:
         """An empty KV cache for this model, pre-sized for `capacity` positions (it grows if needed)."""
@@ -482,14 +490,17 @@ class Model(nn.Module):
         x = self.embed(tokens).reshape(B * N, -1) if ragged is None else self.embed(ragged.flat(tokens))
         rope = self.rope(positions, x.dtype)  # (B, N, ...): applied once the tokens are laid out in rows
         compiled = self.compiled if self.compiled is not None and self.compiled.usable(N) else None
+        taps = []
         for i, layer in enumerate(self.model.layers):
             x = (layer(x, (B, N), rope, mask, cache, i, ragged) if compiled is None
                  else compiled(i, x, rope, mask, cache, ragged))
-        if ragged is not None:
-            hidden = self.model.norm(x)  # (T, H)
-            return self.logits(hidden), hidden
-        hidden = self.model.norm(x).reshape(B, N, -1)  # (B, N, H) post-norm: what the drafter consumes
-        return self.logits(hidden[:, -1:] if last_only else hidden), hidden
+            if i in self.feature_layers:
+                taps.append(mx.fast.rms_norm(x, None, TAP_EPS))
+        post = self.model.norm(x)  # post-norm: what the vocabulary projection and a drafter read
+        if ragged is None:  # (B, N, ...); ragged: (T, ...)
+            post, taps = post.reshape(B, N, -1), [t.reshape(B, N, -1) for t in taps]
+        hidden = mx.concatenate([post, *taps], axis=-1) if taps else post
+        return self.logits(post[:, -1:] if last_only and ragged is None else post), hidden
 
 
 PREFILL_CHUNK_TOKENS = 2048  # tokens (rows x positions) a chunk of a long prefill feeds at once

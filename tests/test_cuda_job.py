@@ -94,3 +94,44 @@ def test_a_grown_drafter_drafts_what_it_grew_from():
     h, s = torch.randn(3, 16), torch.randn(3, 16)
     with torch.no_grad():
         assert torch.equal(g.logits(h, s), d.logits(h, s))
+
+
+def test_a_drafter_grown_to_fuse_tapped_layers_starts_as_it_was():
+    import torch
+
+    from bench.torch_ref.cuda_job import VARIANTS, context_of, grown
+    from bench.torch_ref.drafter import TorchDrafter, random_torch_drafter
+
+    d = random_torch_drafter(16, 40, exit_dim=12, num_draft_layers=2)
+    taps = VARIANTS["soft-fuse3"].taps
+    w, cfg = grown(d.state_dict(), d.cfg, taps=VARIANTS["soft-fuse"].taps)
+    g = TorchDrafter(cfg)
+    g.load_state_dict(w, strict=True)
+    assert cfg["feature_layers"] == list(VARIANTS["soft-fuse"].taps)
+    h, s = torch.randn(3, 16), torch.randn(3, 16)
+    batch = {"h": h, "taps": torch.randn(3, len(taps), 16)}
+    with torch.no_grad():
+        assert torch.equal(g.logits(context_of(g, batch, taps), s), d.logits(context_of(d, batch, taps), s))
+
+
+def test_a_drafter_returned_in_parts_lands_whole(tmp_path):
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    from bench.torch_ref.cuda_job import drafter_folders, weight_parts
+    from bench.torch_ref.drafter import random_torch_drafter
+
+    d = random_torch_drafter(16, 40, exit_dim=12, num_draft_layers=2)
+    sd = {k: t.half().contiguous() for k, t in d.state_dict().items()}
+    parts = weight_parts(sd, limit=1000)
+    assert len(parts) > 2 and all(sum(t.numel() * 2 for t in p.values()) <= 1000 or len(p) == 1 for p in parts)
+    for k, part in enumerate(parts):
+        save_file(part, str(tmp_path / ("drafter_x.safetensors" + (f".{k}" if k else ""))),
+                  metadata={"config": json.dumps(d.cfg)})
+    (folder,) = drafter_folders(tmp_path, tmp_path / "out")
+    back = load_file(str(folder / "model.safetensors"))
+    assert set(back) == set(sd) and all(np.array_equal(back[k], sd[k].numpy()) for k in sd)
+    assert json.loads((folder / "config.json").read_text()) == d.cfg

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-GGUF_PARTS = 3  # the GGUF travels xz-compressed in parts: one call's working tree is limited (64 MiB)
+PART_BYTES = 15 * 2**20  # the GGUF travels (xz) and drafters come back in parts no larger: some transports cap files
 TOP_K = 8  # labels kept per context position (train/features.py)
 EVAL_POSITIONS = 4096  # held-out context positions evaluated (train/loop.py)
 ENGINE = ("PyTorch CUDA float32 (transformers LlamaForCausalLM from the same GGUF, TF32 off), "
@@ -46,6 +46,7 @@ class Variant:
     labels: str  # "hard": the target's top-1; "soft": its top-8 renormalized within the head
     text: bool = False  # also train on the fixed-text corpus (teacher-forced; the target's labels, never the text's)
     extra_layers: int = 0  # ResBlocks appended before the head, each starting as the identity
+    taps: tuple[int, ...] = ()  # target layers whose (RMS-normalized) outputs are fused with the last state
 
 
 VARIANTS = {
@@ -53,6 +54,8 @@ VARIANTS = {
     "soft": Variant("soft"),
     "soft-text": Variant("soft", text=True),
     "soft-deep": Variant("soft", extra_layers=2),
+    "soft-fuse": Variant("soft", taps=(2, 15)),  # EAGLE-3's low, middle and high layers
+    "soft-fuse3": Variant("soft", taps=(2, 15, 24)),
 }
 
 
@@ -122,9 +125,13 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
         import lzma
 
         packed = lzma.compress(data, preset=0)
-        cut = [len(packed) * k // GGUF_PARTS for k in range(GGUF_PARTS + 1)]
-        for k in range(GGUF_PARTS):
-            (job_dir / f"gguf.xz.{k}").write_bytes(packed[cut[k]:cut[k + 1]])
+        for old in job_dir.glob("gguf.xz.*"):
+            old.unlink()
+        parts = -(-len(packed) // PART_BYTES)
+        for k in range(parts):
+            (job_dir / f"gguf.xz.{k}").write_bytes(packed[k * PART_BYTES:(k + 1) * PART_BYTES])
+    else:
+        parts = len(list(job_dir.glob("gguf.xz.*")))
     import hashlib
 
     spec = {"gguf_name": gguf.name, "gguf_sha256": hashlib.sha256(data).hexdigest(), "eos_ids": tok.eos_ids,
@@ -132,10 +139,10 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
             "corpus": str(corpus_dir), "jobs": [j.name for j in todo], "turn1_prompts": len(t1_row),
             "turn2_rows": len(t2_row), "turn2_fixed": len(fixed), "parity_prompts": len(parity),
             "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m",
-            "text_corpus": str(text_corpus) if text_corpus else None}
+            "text_corpus": str(text_corpus) if text_corpus else None, "gguf_parts": parts}
     (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
     print(f"{job_dir}: {len(todo)} shards to make: {len(t1_row)} turn-1 prompts, {len(t2_row)} turn-2 rows "
-          f"({len(fixed)} with their turn-1 sequence here); GGUF (xz) in {GGUF_PARTS} parts")
+          f"({len(fixed)} with their turn-1 sequence here); GGUF (xz) in {parts} parts")
 
 
 def _fail(msg: str) -> None:
@@ -151,8 +158,9 @@ def _log(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
-def load_model(job_dir: Path, spec: dict, device: str) -> Any:
-    """The target (float32) from the GGUF parts, via transformers' GGUF loader."""
+def load_model(job_dir: Path, spec: dict, device: str, gguf_dir: Path | None = None) -> Any:
+    """The target (float32) from the GGUF parts (in `gguf_dir`, else beside the job), via transformers' GGUF
+    loader."""
     import hashlib
     import tempfile
 
@@ -163,7 +171,11 @@ def load_model(job_dir: Path, spec: dict, device: str) -> Any:
     transformers.logging.set_verbosity_error()
     import lzma
 
-    data = lzma.decompress(b"".join((job_dir / f"gguf.xz.{k}").read_bytes() for k in range(GGUF_PARTS)))
+    parts = [(gguf_dir or job_dir) / f"gguf.xz.{k}" for k in range(spec.get("gguf_parts", 3))]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        _fail(f"GGUF part(s) missing: {', '.join(missing)}: copy every gguf.xz.* of the job there")
+    data = lzma.decompress(b"".join(p.read_bytes() for p in parts))
     if hashlib.sha256(data).hexdigest() != spec["gguf_sha256"]:
         _fail("the GGUF parts do not add up to the prepared file: run prepare again")
     folder = Path(tempfile.mkdtemp(prefix="cuda-job-"))
@@ -372,7 +384,8 @@ class Features:
     """Context positions of a set of sequences: hidden states h_p (float16), the target's top-8 at p (labels for
     the step that ends at p), x_p's index into `tokens` and one past the end of p's sequence (all on the GPU)."""
 
-    def __init__(self, model: Any, seqs: list[tuple[np.ndarray, int]], device: str, max_tokens: int = 65536):
+    def __init__(self, model: Any, seqs: list[tuple[np.ndarray, int]], device: str, max_tokens: int = 65536,
+                 taps: tuple[int, ...] = ()):
         import torch
 
         lens = [len(s) for s, _ in seqs]
@@ -387,6 +400,16 @@ class Features:
         self.top_logp = torch.empty((C, TOP_K), dtype=torch.float16, device=device)
         self.tok_index = torch.empty(C, dtype=torch.long, device=device)
         self.seq_end = torch.empty(C, dtype=torch.long, device=device)
+        self.taps = taps
+        self.tap_hidden = torch.empty((C, len(taps), H), dtype=torch.float16, device=device) if taps else None
+        caught: dict[int, Any] = {}
+
+        def hook(i: int) -> Any:
+            def keep(_module: Any, _args: Any, output: Any) -> None:
+                caught[i] = output[0] if isinstance(output, tuple) else output
+            return keep
+
+        handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in taps]
         with torch.no_grad():
             for part in _batches(lens, 512, max_tokens):
                 n = max(lens[i] for i in part)
@@ -400,6 +423,8 @@ class Features:
                     P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
                     hp = h[b, P - 1 : lens[i] - 1]
                     self.hidden[c0:c1] = hp.half()
+                    for j, layer in enumerate(taps):
+                        self.tap_hidden[c0:c1, j] = rms_normalized(caught[layer][b, P - 1 : lens[i] - 1]).half()
                     for r0 in range(0, len(hp), 8192):
                         logits = model.lm_head(hp[r0 : r0 + 8192]).float()
                         v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
@@ -408,6 +433,8 @@ class Features:
                     self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
                                                          device=device)
                     self.seq_end[c0:c1] = int(starts[i + 1])
+        for handle in handles:
+            handle.remove()
         self.sequences = len(seqs)
         self.response_tokens = int(sum(ctx_counts))
 
@@ -428,8 +455,29 @@ class Features:
         k_head = lut[self.top_ids[rows].long()]
         p = torch.exp(self.top_logp[rows].float()) * (k_head >= 0) * valid[..., None]
         p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
-        return {"h": self.hidden[idx].float(), "x": x, "target": head.clamp(min=0), "weight": w.float(),
+        taps = self.tap_hidden[idx].float() if self.taps else None
+        return {"h": self.hidden[idx].float(), "taps": taps, "x": x, "target": head.clamp(min=0), "weight": w.float(),
                 "valid": valid.float(), "soft_index": k_head.clamp(min=0), "soft_prob": p}
+
+
+def rms_normalized(x: Any, eps: float = 1e-5) -> Any:
+    """x / RMS(x) over the last axis, in float32 (a tapped layer's output, before it is fused)."""
+    import torch
+
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def context_of(drafter: Any, b: dict[str, Any], taps: tuple[int, ...]) -> Any:
+    """The drafter's context vector for a batch: the last state, fused with the tapped layers the drafter reads
+    (`taps`: the layers the features hold)."""
+    import torch
+
+    layers = drafter.cfg.get("feature_layers") or []
+    if not layers:
+        return b["h"]
+    cols = [taps.index(layer) for layer in layers]
+    return drafter.context(torch.cat([b["h"], b["taps"][:, cols].flatten(1)], dim=-1))
 
 
 def teacher_forced_logits(drafter: Any, h: Any, emb: Any) -> Any:
@@ -467,27 +515,47 @@ def evaluate(drafter: Any, embed: Any, feats: Features, lut: Any, T: int) -> dic
     idx = torch.randperm(len(feats), generator=g)[:EVAL_POSITIONS].sort().values.to(feats.hidden.device)
     with torch.no_grad():
         b = feats.batch(idx, T, lut)
-        logits = teacher_forced_logits(drafter, b["h"], embed(b["x"]))
+        logits = teacher_forced_logits(drafter, context_of(drafter, b, feats.taps), embed(b["x"]))
         hit = (logits.argmax(-1) == b["target"]).float() * b["weight"]
         loss = loss_of(logits, b, soft=False)
     acc = (hit.sum(0) / b["valid"].sum(0).clamp(min=1)).tolist()
     return {"val_loss": round(float(loss), 4), "acc": [round(a, 4) for a in acc]}
 
 
-def grown(weights: dict[str, Any], cfg: dict[str, Any], extra_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def grown(weights: dict[str, Any], cfg: dict[str, Any], extra_layers: int = 0,
+          taps: tuple[int, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     """Drafter weights and config with `extra_layers` ResBlocks appended before the head, each starting at zero
-    (x + SiLU(0) = x): the grown drafter drafts exactly what the given one does until training moves them."""
-    if extra_layers == 0:
-        return dict(weights), dict(cfg)
+    (x + SiLU(0) = x), and with `taps`, a `fuse` projection of [last state, tapped states...] to the context that
+    starts as [I, 0, ..., 0]: the grown drafter drafts exactly what the given one does until training moves them."""
     import torch
 
-    n, E = cfg["num_draft_layers"], cfg["exit_dim"]
-    out = {k: t for k, t in weights.items() if k != f"lm_head.{n}.weight"}
-    out[f"lm_head.{n + extra_layers}.weight"] = weights[f"lm_head.{n}.weight"]
-    for j in range(n, n + extra_layers):
-        out[f"lm_head.{j}.linear.weight"] = torch.zeros((E, E))
-        out[f"lm_head.{j}.linear.bias"] = torch.zeros(E)
-    return out, {**cfg, "num_draft_layers": n + extra_layers}
+    out, cfg = dict(weights), dict(cfg)
+    n, E, H = cfg["num_draft_layers"], cfg["exit_dim"], cfg["hidden_size"]
+    if extra_layers:
+        del out[f"lm_head.{n}.weight"]
+        out[f"lm_head.{n + extra_layers}.weight"] = weights[f"lm_head.{n}.weight"]
+        for j in range(n, n + extra_layers):
+            out[f"lm_head.{j}.linear.weight"] = torch.zeros((E, E))
+            out[f"lm_head.{j}.linear.bias"] = torch.zeros(E)
+        cfg["num_draft_layers"] = n + extra_layers
+    if taps:
+        out["fuse.weight"] = torch.cat([torch.eye(H), torch.zeros((H, H * len(taps)))], dim=1)
+        cfg["feature_layers"] = list(taps)
+    return out, cfg
+
+
+def weight_parts(sd: dict[str, Any], limit: int = PART_BYTES) -> list[dict[str, Any]]:
+    """The tensors of a state dict in groups of at most `limit` bytes each (one group where they fit)."""
+    parts: list[dict[str, Any]] = [{}]
+    size = 0
+    for k, t in sd.items():
+        n = t.numel() * t.element_size()
+        if parts[-1] and size + n > limit:
+            parts.append({})
+            size = 0
+        parts[-1][k] = t
+        size += n
+    return parts
 
 
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
@@ -513,7 +581,7 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
 
     models, opts, cfgs = {}, {}, {}
     for v in variants:
-        w, cfgs[v] = grown(weights, base_cfg, VARIANTS[v].extra_layers)
+        w, cfgs[v] = grown(weights, base_cfg, VARIANTS[v].extra_layers, VARIANTS[v].taps)
         d = TorchDrafter(cfgs[v])
         d.load_state_dict({k: (t.long() if k == "draft_vocab" else t.float()) for k, t in w.items()}, strict=True)
         models[v] = d.to(device).train()
@@ -534,8 +602,10 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     def save(v: str) -> None:
         sd = {k: (t.int() if k == "draft_vocab" else t.half()).contiguous().cpu()
               for k, t in models[v].state_dict().items()}
-        save_file(sd, str(out / f".drafter_{v}.safetensors"), metadata={"config": json.dumps(cfgs[v])})
-        (out / f".drafter_{v}.safetensors").replace(out / f"drafter_{v}.safetensors")
+        for k, part in enumerate(weight_parts(sd)):
+            name = f"drafter_{v}.safetensors" + (f".{k}" if k else "")
+            save_file(part, str(out / f".{name}"), metadata={"config": json.dumps(cfgs[v])})
+            (out / f".{name}").replace(out / name)
 
     warmup, total, step, losses = 100, None, 0, {v: [] for v in variants}
     ts = time.perf_counter()
@@ -565,7 +635,7 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
             b, emb = batches[VARIANTS[v].text]
             for group in opts[v].param_groups:
                 group["lr"] = lr * f
-            logits = teacher_forced_logits(models[v], b["h"], emb)
+            logits = teacher_forced_logits(models[v], context_of(models[v], b, train_f.taps), emb)
             loss = loss_of(logits, b, soft=(VARIANTS[v].labels == "soft"))
             opts[v].zero_grad(set_to_none=True)
             loss.backward()
@@ -598,7 +668,8 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
 
 def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: int | None = None,
         max_rows: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
-        variants: tuple[str, ...] = ("hard", "soft"), init: Path | None = None, parity: bool = True) -> None:
+        variants: tuple[str, ...] = ("hard", "soft"), init: Path | None = None, parity: bool = True,
+        gguf_dir: Path | None = None) -> None:
     """Parity, generation, features and training within `budget_s` seconds; results in `out`."""
     import torch
 
@@ -613,7 +684,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     import transformers
 
     report["transformers"] = transformers.__version__
-    model = load_model(job_dir, spec, device)
+    model = load_model(job_dir, spec, device, gguf_dir)
     _log(f"model loaded on {report['device_name']}", t0)
 
     # (1) parity: greedy ids and top-5 logits of the parity prompts
@@ -656,8 +727,9 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
             _fail("a variant trains on fixed text but the job names no text corpus: run prepare again")
         text = corpus_sequences(Path(spec["text_corpus"]), limit)["train"]
     greedy_contexts = sum(len(s) - P for s, P in seqs["train"] + new)
-    train_f = Features(model, seqs["train"] + new + text, device)
-    held_f = Features(model, seqs["heldout"], device)
+    taps = tuple(sorted({layer for v in variants for layer in VARIANTS[v].taps}))
+    train_f = Features(model, seqs["train"] + new + text, device, taps=taps)
+    held_f = Features(model, seqs["heldout"], device, taps=taps)
     report["features"] = {"train_sequences": train_f.sequences, "train_contexts": len(train_f),
                           "greedy_contexts": greedy_contexts, "new_sequences": len(new),
                           "text_sequences": len(text), "heldout_contexts": len(held_f),
@@ -720,23 +792,26 @@ def drafter_folders(result_dir: Path, dest: Path) -> list[Path]:
     """Each `drafter_<variant>.safetensors` of a run as an MLX drafter folder `dest/<variant>/` (config.json from
     the file's metadata; a file without one, from an earlier run, gets the shipped drafter's config with the
     ResBlock count its weights have; model.safetensors as returned)."""
-    import shutil
-
     from safetensors import safe_open
+    from safetensors.numpy import save_file
 
     from mlx_redrafter.shipped import shipped_folder
 
     shipped = json.loads((shipped_folder("smollm2-135m") / "config.json").read_text())
     made = []
     for f in sorted(result_dir.glob("drafter_*.safetensors")):
-        with safe_open(str(f), "np") as st:
-            meta = (st.metadata() or {}).get("config")
-            cfg = json.loads(meta) if meta else {**shipped, "num_draft_layers": sum(
-                k.startswith("lm_head.") and k.endswith(".linear.weight") for k in st.keys())}
+        weights: dict[str, np.ndarray] = {}
+        for part in [f, *sorted(result_dir.glob(f"{f.name}.*"), key=lambda p: int(p.suffix[1:]))]:
+            with safe_open(str(part), "np") as st:
+                weights.update({k: st.get_tensor(k) for k in st.keys()})
+                if part == f:
+                    meta = (st.metadata() or {}).get("config")
+        cfg = json.loads(meta) if meta else {**shipped, "num_draft_layers": sum(
+            k.startswith("lm_head.") and k.endswith(".linear.weight") for k in weights)}
         folder = dest / f.stem.removeprefix("drafter_")
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        shutil.copyfile(f, folder / "model.safetensors")
+        save_file(weights, str(folder / "model.safetensors"))
         made.append(folder)
         print(f"{folder}: drafter ({f.name})")
     return made
@@ -821,6 +896,7 @@ def _main() -> None:
                    help="drafters trained side by side, comma-separated: " + ", ".join(VARIANTS))
     r.add_argument("--init", type=Path, default=None, help="start from these drafter weights (same shape)")
     r.add_argument("--no-parity", action="store_true")
+    r.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUF parts are (default: the job folder)")
     m = sub.add_parser("land")
     m.add_argument("result", type=Path)
     m.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
@@ -838,7 +914,7 @@ def _main() -> None:
                 text_corpus=a.text_corpus)
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.max_rows, a.batch, a.lr, a.gen_share,
-            tuple(a.variants.split(",")), a.init, not a.no_parity)
+            tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir)
     elif a.cmd == "parity":
         parity(a.result, a.job)
     else:

@@ -40,6 +40,8 @@ class TorchDrafter(nn.Module):
         if self.rnn:
             self.rnn_u = nn.Linear(H, H, bias=True)
             self.rnn_w = nn.Linear(H, H, bias=False)
+        if cfg.get("feature_layers"):  # redrafter-mlx extension: the context fuses tapped target layers
+            self.fuse = nn.Linear(H * (len(cfg["feature_layers"]) + 1), H, bias=False)
         if cfg.get("emb_norm"):
             self.emb_norm = nn.Module()
             self.emb_norm.weight = nn.Parameter(torch.ones(H))  # in the format; unused in the forward
@@ -48,6 +50,12 @@ class TorchDrafter(nn.Module):
         if self.rnn:
             return nn.functional.silu(self.rnn_w(emb) + self.rnn_u(state))
         return state + emb
+
+    def context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The context the head conditions on, from the target's features (..., H * (1 + len(feature_layers))):
+        the post-norm state, then each tapped layer's output divided by its RMS (mlx_redrafter's Drafter.context)."""
+        H = self.cfg["hidden_size"]
+        return self.fuse(hidden) if hasattr(self, "fuse") else hidden[..., :H]
 
     def token_ids(self, head_index: torch.Tensor) -> torch.Tensor:
         """Head output index -> target token id."""
@@ -105,6 +113,7 @@ def beam_search(drafter: TorchDrafter, embed: Callable[[torch.Tensor], torch.Ten
     Initial beam scores are [0, -inf, ...] so step 1 grows W distinct beams out of the first; candidates are
     ranked by total log-prob, ties broken by lower flat index (beam * V + token), best beam first.
     """
+    context = drafter.context(context)
     B, H = context.shape
     ctx = context[:, None, :].expand(B, width, H)
     beams = first_token.long()[:, None, None].expand(B, width, 1)

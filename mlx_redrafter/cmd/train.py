@@ -231,6 +231,10 @@ def train(
         except UserError as e:
             raise UserError(f"--init-from {init_from} is not a drafter folder ({e}): give the folder of a drafter, "
                             f"e.g. mlx_redrafter/drafters/<model>") from None
+        from mlx_redrafter.files import read_json
+        from mlx_redrafter.train.loop import check_trainable
+
+        check_trainable(read_json(init_from / "config.json", "drafter config"), f"--init-from {init_from}")
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
     only = c.int_list(shards, "--shards") if shards is not None else None
     check_option("--eval-prompts", eval_prompts, Field("", int, 0, 100_000))

@@ -2,7 +2,8 @@
 
 Any recurrent drafter works: an object with `next_state(state, token_emb)`, `logits(context, state)` and
 `token_ids(head_index)` (the ReDrafter `Drafter`, the semi-autoregressive drafter); its state starts as
-`initial_state(B, W, dtype)` if it has one, else zeros of the target's hidden size (the ReDrafter's RNN state).
+`initial_state(B, W, dtype)` if it has one, else zeros of the target's hidden size (the ReDrafter's RNN state);
+`context(hidden)`, where it has one, turns the target's features into the context the head conditions on.
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ def warp_top_k(logits: mx.array, top_k: int) -> mx.array:
     return logits
 
 
+def context_of(drafter: RecurrentDrafter, hidden: mx.array) -> mx.array:
+    """The context a drafter's head conditions on, from the target's features at the last accepted position."""
+    context = getattr(drafter, "context", None)
+    return hidden if context is None else context(hidden)
+
+
 def beam_search(
     drafter: RecurrentDrafter,
     embed: Callable[[mx.array], mx.array],
-    context: mx.array,  # (B, H) target's post-norm hidden state at the last accepted position
+    context: mx.array,  # (B, F) the target's features at the last accepted position (`Model`'s hidden)
     first_token: mx.array,  # (B,) int: g0, the target's prediction there
     width: int,
     length: int,
@@ -48,6 +55,7 @@ def beam_search(
 ) -> tuple[mx.array, mx.array]:
     """Return beams (B, W, L) int32 with column 0 = first_token, and the drafter's log-probs of the
     drafted tokens (B, W, L-1)."""
+    context = context_of(drafter, context)
     B, H = context.shape
     ctx = mx.broadcast_to(context[:, None, :], (B, width, H))
     beams = mx.broadcast_to(first_token.astype(mx.int32)[:, None, None], (B, width, 1))
@@ -79,6 +87,7 @@ def beam_search(
 def greedy_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
                  first_token: mx.array, length: int) -> mx.array:
     """Beam search with one beam, without the beam bookkeeping: (B, 1, L) int32, column 0 = first_token."""
+    context = context_of(drafter, context)
     B, H = context.shape
     tok = first_token.astype(mx.int32)[:, None]  # (B, 1)
     init = getattr(drafter, "initial_state", None)

@@ -4,6 +4,11 @@ Forward for one beam-search step, with h = the target's post-norm hidden state (
     s' = SiLU(rnn_w · E(token) + rnn_u · s + b)        (rnn = false: s' = s + E(token))
     logits = lm_head[N](ResBlock^N(input_proj([h ; s'])))
 
+Format extension `feature_layers` = [l1, l2, ...] (increasing target layer indices) with a `fuse.weight` tensor
+(H, H * (1 + n)): the context is then h = fuse([h_last ; r(x_l1) ; r(x_l2) ; ...]), where x_l is the output of
+target layer l and r(x) = x / RMS(x) (EAGLE-3's fusion of low, middle and high layer states). The target provides
+those states once `read_features(model, drafter)` has set its `feature_layers`.
+
 Format extension (a superset of Apple's; documented in README): `draft_vocab_size` = K in config.json and a
 `draft_vocab` int32 tensor (K,) of token ids; the vocab projection `lm_head.{N}.weight` is then (K, E) and
 predicts only those tokens (a frequent-token head, as in FR-Spec). Apple-format checkpoints load unchanged.
@@ -49,6 +54,7 @@ FIELDS = (
     Field("model_type", str),
     Field("draft_vocab_size", int, 1, MAX_VOCAB),
 )
+MAX_FEATURE_LAYERS = 8
 
 
 @dataclass
@@ -64,6 +70,7 @@ class DrafterArgs:
     num_lookback_tokens: int = 1
     model_type: str = MODEL_TYPE
     draft_vocab_size: int | None = None  # extension: head over a token subset
+    feature_layers: list[int] | None = None  # extension: target layers fused into the context (`fuse`)
     quantization: dict[str, int] | None = None  # extension: {"bits": b, "group_size": g} (mlx-lm style)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -73,6 +80,7 @@ class DrafterArgs:
         unknown keys are kept in `extra`; a one-line UserError for a bad config."""
         check_fields(cfg, FIELDS, where)
         check_draft_vocab_size(cfg, where)
+        check_feature_layers(cfg.get("feature_layers"), where)
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         args = cls(**{k: v for k, v in cfg.items() if k in known and v is not None},
                    extra={k: v for k, v in cfg.items() if k not in known})
@@ -88,7 +96,7 @@ class DrafterArgs:
     def to_dict(self) -> dict[str, Any]:
         """The config.json contents (optional extensions only when set)."""
         d = {k: v for k, v in asdict(self).items() if k != "extra"}
-        for key in ("draft_vocab_size", "quantization"):
+        for key in ("draft_vocab_size", "feature_layers", "quantization"):
             if d[key] is None:
                 del d[key]
         return {**self.extra, **d}
@@ -107,6 +115,18 @@ def check_draft_vocab_size(cfg: dict[str, Any], where: str) -> None:
     if (cfg.get("draft_vocab_size") or 0) > cfg["vocab_size"]:
         raise UserError(f"{where}: draft_vocab_size {cfg['draft_vocab_size']} is larger than vocab_size "
                         f"{cfg['vocab_size']}")
+
+
+def check_feature_layers(layers: Any, where: str) -> None:
+    """One-line error unless `feature_layers` is absent or a list of 1..MAX_FEATURE_LAYERS increasing layer indices
+    (whether the target has them is `check_compatible`'s)."""
+    if layers is None:
+        return
+    ok = (isinstance(layers, list) and 1 <= len(layers) <= MAX_FEATURE_LAYERS
+          and all(type(i) is int and i >= 0 for i in layers) and all(a < b for a, b in zip(layers, layers[1:])))
+    if not ok:
+        raise UserError(f"{where}: feature_layers = {shown(layers)}: expected a list of 1 to {MAX_FEATURE_LAYERS} "
+                        f"increasing target layer indices (integers >= 0), or no such key")
 
 
 def check_quantization(bits: Any, group_size: Any) -> None:
@@ -147,8 +167,22 @@ class Drafter(nn.Module):
             self.emb_norm = nn.RMSNorm(H)  # part of the format; unused in the forward, as in the reference
         if args.draft_vocab_size:
             self.draft_vocab = mx.arange(args.draft_vocab_size, dtype=mx.int32)
+        if args.feature_layers:
+            self.fuse = nn.Linear(H * (1 + len(args.feature_layers)), H, bias=False)
         if args.quantization:  # lazy: the random weights quantized here are never computed once weights load
             _quantize_linears(self, args.quantization["bits"], args.quantization["group_size"])
+
+    def context(self, hidden: mx.array) -> mx.array:
+        """The context the head conditions on, from the target's `hidden` at the last accepted position: the
+        post-norm state (..., H), or with `feature_layers` the fusion of it and the tapped layers'."""
+        H = self.args.hidden_size
+        if not self.args.feature_layers:
+            return hidden if hidden.shape[-1] == H else hidden[..., :H]
+        if hidden.shape[-1] != H * (1 + len(self.args.feature_layers)):
+            raise UserError(f"this drafter reads target layers {self.args.feature_layers} besides the last, but the "
+                            f"hidden states it was given hold {hidden.shape[-1] // H - 1} tapped layer(s): call "
+                            f"read_features(model, drafter) before decoding (resolve_drafter does)")
+        return self.fuse(hidden)
 
     def next_state(self, state: mx.array, token_emb: mx.array) -> mx.array:
         """RNN update with the embedding of the last drafted token: (..., H) -> (..., H)."""
@@ -203,6 +237,9 @@ class FrequentHead:
         head = drafter.lm_head[-1]
         self.parts = [getattr(head, k)[:rows] for k in ("weight", "scales", "biases") if k in head]
         self.vocab = drafter.draft_vocab[:rows]
+
+    def context(self, hidden: mx.array) -> mx.array:
+        return self.drafter.context(hidden)
 
     def next_state(self, state: mx.array, token_emb: mx.array) -> mx.array:
         return self.drafter.next_state(state, token_emb)
@@ -271,8 +308,20 @@ def dequantize_drafter(drafter: Drafter) -> Drafter:
     return drafter
 
 
-def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int, where: str) -> None:
-    """One-line error if a drafter does not fit the target's hidden size and vocabulary."""
+def read_features(model: Any, drafter: Any) -> None:
+    """Make the target's forward provide what `drafter` conditions on: the layers its `feature_layers` names (none
+    for any other drafter, or none at all)."""
+    args = getattr(drafter, "args", None)
+    model.feature_layers = tuple(getattr(args, "feature_layers", None) or ())
+
+
+def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int, where: str,
+                     num_layers: int | None = None) -> None:
+    """One-line error if a drafter does not fit the target's hidden size, vocabulary and (given) layer count."""
+    layers = getattr(args, "feature_layers", None) or []
+    if num_layers is not None and layers and max(layers) >= num_layers:
+        raise UserError(f"drafter {where} reads target layer {max(layers)} but the target model has {num_layers} "
+                        f"layers (0-{num_layers - 1}): use a drafter trained for this model")
     if args.hidden_size != hidden_size:
         raise UserError(
             f"drafter {where} has hidden_size {args.hidden_size} but the target model has {hidden_size}: "
@@ -287,7 +336,7 @@ def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int, where
 
 def random_drafter(hidden_size: int, vocab_size: int, seed: int, exit_dim: int | None = None,
                    num_draft_layers: int = 2, rnn: bool = True, draft_vocab_size: int | None = None,
-                   dtype: mx.Dtype = mx.float32) -> Drafter:
+                   dtype: mx.Dtype = mx.float32, feature_layers: list[int] | None = None) -> Drafter:
     """A randomly initialised drafter of the given shape (for exactness tests and smoke runs).
 
     With `draft_vocab_size` = K the head drafts over K random distinct token ids (cheaper drafting). `exit_dim`
@@ -301,7 +350,8 @@ def random_drafter(hidden_size: int, vocab_size: int, seed: int, exit_dim: int |
     args = DrafterArgs.from_dict({"vocab_size": vocab_size, "hidden_size": hidden_size,
                                   "exit_dim": 2 * hidden_size if exit_dim is None else exit_dim,
                                   "num_draft_layers": num_draft_layers,
-                                  "rnn": rnn, "draft_vocab_size": draft_vocab_size}, "random drafter")
+                                  "rnn": rnn, "draft_vocab_size": draft_vocab_size,
+                                  "feature_layers": feature_layers}, "random drafter")
     d = Drafter(args)
     if draft_vocab_size:
         d.draft_vocab = mx.sort(mx.random.permutation(vocab_size)[:draft_vocab_size]).astype(mx.int32)

@@ -179,6 +179,15 @@ def _save_checkpoint(run_dir: Path, drafter: Drafter, opt: optim.Optimizer, step
             shutil.rmtree(old, ignore_errors=True)
 
 
+def check_trainable(config: dict, where: str) -> None:
+    """One-line error for a drafter config this trainer cannot train: one that fuses tapped target layers (its
+    features hold only the last layer's state)."""
+    if config.get("feature_layers"):
+        raise UserError(f"{where} reads target layers {config['feature_layers']} besides the last, and this trainer's "
+                        f"features hold only the last layer's: train it with bench/torch_ref/cuda_job.py "
+                        f"(docs/drafters.md), or start from a drafter without feature_layers")
+
+
 def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: str | Path,
                   cfg: TrainConfig | None = None, *, resume: bool = True, progress: bool = True,
                   log: Callable[[str], None] = print) -> tuple[Drafter, dict]:
@@ -215,6 +224,7 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     else:
         vocab = draft_vocabulary(train, cfg.draft_vocab_size, margs.vocab_size, target.tokenizer.eos_ids)
         drafter = new_drafter(target, cfg, vocab)
+    check_trainable(drafter.args.to_dict(), "the drafter")
     if drafter.args.draft_vocab_size:
         drafter.freeze(keys=["draft_vocab"])
     if cfg.freeze_head:

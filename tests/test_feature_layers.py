@@ -1,0 +1,167 @@
+"""Drafters that fuse several target layers (`feature_layers`): the target's features, exact decoding with such a
+drafter (alone and batched), the format's checks, and parity of the fused context with the PyTorch drafter."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from exactness import ar_tokens, divergence, speculative_tokens
+
+from mlx_redrafter import api
+from mlx_redrafter.batch.budget import Budget
+from mlx_redrafter.batch.loop import generate_batch
+from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.beam_search import beam_search
+from mlx_redrafter.draft.redrafter import (
+    Drafter,
+    DrafterArgs,
+    RnnSource,
+    check_compatible,
+    load_drafter,
+    random_drafter,
+    read_features,
+    save_drafter,
+)
+from mlx_redrafter.errors import UserError
+from mlx_redrafter.model import TAP_EPS
+
+LAYERS = [2, 15, 24]
+MAX_TOKENS = 24
+EMBED = mx.random.normal((49152, 576), key=mx.random.key(2)) * 0.05
+
+
+def embed(ids: mx.array) -> mx.array:
+    return EMBED[ids]
+
+
+@pytest.fixture()
+def tapped(target):
+    """The session's target with its forward providing LAYERS, restored afterwards."""
+    target.model.feature_layers = tuple(LAYERS)
+    try:
+        yield target
+    finally:
+        target.model.feature_layers = ()
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return random_drafter(576, 49152, seed=3, exit_dim=128, draft_vocab_size=4096, feature_layers=LAYERS)
+
+
+def test_the_targets_features_are_the_last_state_then_each_tapped_layer_over_its_rms(target, chat_ids):
+    tokens = mx.array([chat_ids[0][:40]])
+    cache = target.model.make_cache(64)
+    logits, plain = target.model(tokens, cache)
+    target.model.feature_layers = tuple(LAYERS)
+    try:
+        cache = target.model.make_cache(64)
+        logits2, wide = target.model(tokens, cache)
+    finally:
+        target.model.feature_layers = ()
+    H = target.model.args.hidden_size
+    assert wide.shape == (1, 40, H * (1 + len(LAYERS)))
+    assert mx.array_equal(wide[..., :H], plain) and mx.array_equal(logits2, logits)
+    taps = np.array(wide[..., H:]).reshape(1, 40, len(LAYERS), H)
+    assert np.allclose((taps.astype(np.float64) ** 2).mean(-1), 1.0, atol=1e-2)  # each divided by its RMS
+    try:
+        import torch
+
+        from bench.torch_ref.target import load_hf_target
+    except ImportError:
+        return
+    hf = load_hf_target(None, device="cpu")
+    with torch.no_grad():
+        states = hf.model(input_ids=torch.tensor(np.array(tokens)), output_hidden_states=True).hidden_states
+    for j, layer in enumerate(LAYERS):
+        x = states[layer + 1].double()
+        ref = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + TAP_EPS)).numpy()
+        assert np.abs(taps[:, :, j] - ref).max() < 2e-3
+
+
+def test_a_fused_drafter_decodes_exactly_alone_and_batched(tapped, chat_ids, fused):
+    target = tapped
+    prompts = [chat_ids[5], chat_ids[40][:60], chat_ids[70]]
+    ar = [ar_tokens(target.model, p, MAX_TOKENS, target.tokenizer.eos_ids) for p in prompts]
+    for width, length in [(1, 4), (3, 4)]:
+        for p, want in zip(prompts, ar):
+            got, stats = speculative_tokens(target.model, p, Allocator([Slot(RnnSource(fused, target.model.embed),
+                                                                             width)]), length, MAX_TOKENS,
+                                            target.tokenizer.eos_ids)
+            assert divergence(target.model, p, want, got) is None
+            assert stats.candidate_tokens == stats.steps * width * length
+    out = {i: [] for i in range(len(prompts))}
+    for i, r in generate_batch(target.model, prompts, batch_size=2, max_tokens=MAX_TOKENS,
+                               eos_ids=target.tokenizer.eos_ids,
+                               allocator=lambda: Allocator([Slot(RnnSource(fused, target.model.embed), 1)]),
+                               length=4, budget=Budget(4, None)):
+        out[i].extend(r.tokens)
+    for i, (p, want) in enumerate(zip(prompts, ar)):
+        assert divergence(target.model, p, want, out[i]) is None, f"row {i}"
+
+
+def test_a_fuse_that_passes_the_last_state_drafts_what_the_plain_drafter_does(fused):
+    plain = random_drafter(576, 49152, seed=4, exit_dim=128, draft_vocab_size=4096)
+    grown = Drafter(DrafterArgs.from_dict({**plain.args.to_dict(), "feature_layers": LAYERS}))
+    grown.update(plain.parameters())
+    grown.fuse.weight = mx.concatenate([mx.eye(576), mx.zeros((576, 576 * len(LAYERS)))], axis=1)
+    h = mx.random.normal((2, 576 * (1 + len(LAYERS))), key=mx.random.key(1))
+    first = mx.array([17, 901])
+    b1, lp1 = beam_search(plain, embed, h[:, :576], first, width=3, length=4)
+    b2, lp2 = beam_search(grown, embed, h, first, width=3, length=4)
+    assert mx.array_equal(b1, b2) and mx.allclose(lp1, lp2)
+    with pytest.raises(UserError, match="read_features"):
+        beam_search(grown, embed, h[:, :576], first, width=1, length=3)
+    try:
+        import torch
+
+        from bench.torch_ref.drafter import beam_search as torch_beam_search
+        from bench.torch_ref.drafter import from_mlx
+    except ImportError:
+        return
+    t = from_mlx(fused)
+    table = torch.from_numpy(np.array(EMBED))
+    tb, tlp = torch_beam_search(t, lambda ids: table[ids], torch.from_numpy(np.array(h)), torch.tensor([17, 901]),
+                                width=3, length=4)
+    mb, mlp = beam_search(fused, embed, h, first, width=3, length=4)
+    assert np.array_equal(tb.numpy(), np.array(mb)) and np.allclose(tlp.numpy(), np.array(mlp), atol=1e-4)
+
+
+def test_feature_layers_round_trip_and_bad_values_are_one_line_errors(target, fused, tmp_path):
+    out = save_drafter(fused, tmp_path / "d")
+    back = load_drafter(out)
+    assert back.args.feature_layers == LAYERS and mx.array_equal(back.fuse.weight, fused.fuse.weight)
+    drafter, _ = api.resolve_drafter(str(out), target)
+    try:
+        assert target.model.feature_layers == tuple(LAYERS)
+    finally:
+        api.resolve_drafter("none", target)
+    assert target.model.feature_layers == ()
+    cfg = json.loads((out / "config.json").read_text())
+    for bad in ([15, 2], [], [-1], "2,15", [2.0], list(range(9))):
+        with pytest.raises(UserError, match="feature_layers"):
+            DrafterArgs.from_dict({**cfg, "feature_layers": bad})
+    with pytest.raises(UserError, match="reads target layer 40"):
+        check_compatible(DrafterArgs.from_dict({**cfg, "feature_layers": [2, 40]}), 576, 49152, "d", 30)
+    read_features(target.model, None)
+    assert target.model.feature_layers == ()
+
+
+def test_a_fused_drafter_has_no_export_to_apples_format(fused, tmp_path):
+    from convert.to_torch import export
+
+    with pytest.raises(UserError, match="feature_layers"):
+        export(save_drafter(fused, tmp_path / "d"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cpu_trainer_refuses_to_start_from_a_fused_drafter(fused, tmp_path):
+    from one_line import assert_one_line_error, run
+    from test_bad_training import train
+
+    folder = save_drafter(fused, tmp_path / "fused")
+    out = tmp_path / "out"
+    proc = run(train(tmp_path, "-o", str(out), "--init-from", str(folder)), tmp_path)
+    assert_one_line_error(proc, "reads target layers [2, 15, 24]", "cuda_job.py")
+    assert not out.exists()
