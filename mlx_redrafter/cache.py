@@ -9,6 +9,8 @@ accepted tree path, in order, and drops the rest; `truncate(n)` keeps only the f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 
@@ -81,6 +83,22 @@ class KVCache:
         for i in range(self.num_layers):
             if self.keys[i] is not None:
                 self.keys[i], self.values[i] = self.keys[i][rows], self.values[i][rows]
+
+    def relayout(self, fn: Callable[..., mx.array], other: KVCache | None = None) -> None:
+        """Replace every layer's keys and values a by fn(a), or fn(a, b) with `other`'s b (a is None in a layer
+        this cache has not written), one layer at a time: the cache is never held twice (a data engine's 64-row
+        cache holds several GB), and the old layouts are given back."""
+        for i in range(self.num_layers):
+            if other is None:
+                if self.keys[i] is None:
+                    continue
+                self.keys[i], self.values[i] = fn(self.keys[i]), fn(self.values[i])
+            else:
+                self.keys[i], self.values[i] = fn(self.keys[i], other.keys[i]), fn(self.values[i], other.values[i])
+            mx.eval(self.keys[i], self.values[i])
+        if self.keys[0] is not None:
+            self.capacity = self.keys[0].shape[2]
+        mx.clear_cache()
 
     def copy(self) -> KVCache:
         """An independent cache with the same contents (e.g. to decode several continuations of one prefix)."""

@@ -36,41 +36,47 @@ class RowsCache(KVCache):
             self.valid = np.pad(self.valid, [(0, 0), (0, size - self.valid.shape[1])])
 
     def join(self, row: KVCache) -> int:
-        """Append a sequence whose prompt `row` (a one-row cache) has prefilled; returns its row index.
+        """Append a sequence whose prompt `row` (a one-row cache) has prefilled; returns its row index (see
+        `join_rows`)."""
+        return self.join_rows(row, np.ones((1, row.offset), dtype=bool), [row.offset])[0]
 
-        Its `row.offset` entries go to the end of the committed region, [offset - n, offset); when it is longer
-        than that region, the region grows and the other rows get holes at its start. No other row is
-        recomputed."""
-        n = row.offset
+    def join_rows(self, other: KVCache, valid: np.ndarray, lengths: list[int], room: int | None = None) -> list[int]:
+        """Append the rows of `other` (a cache of several rows, e.g. a left-padded prefill): `valid` (rows,
+        other.offset) marks each row's entries (the rest, padding and holes, stay masked) and `lengths` are its
+        next RoPE positions. Returns their row indices.
+
+        Their entries go to the end of the committed region, [offset - n, offset) for n = other.offset; when they
+        are longer than that region, the region grows and the other rows get holes after their entries. No row is
+        recomputed. `room`: the free slots kept after the committed region (default: the current width); the
+        cache is laid anew one layer at a time (`relayout`)."""
+        n = other.offset
         end = max(self.offset, n)
-        self._room(end)
-        for i in range(self.num_layers):
-            k, v = row.keys[i][:, :, :n], row.values[i][:, :, :n]
-            if self.keys[i] is None:
-                size = max(self.capacity, end)
-                shape = (self.rows, k.shape[1], size, k.shape[3])
-                self.keys[i], self.values[i] = mx.zeros(shape, k.dtype), mx.zeros(shape, k.dtype)
-            cap = max(self.keys[i].shape[2], end)
-            if self.keys[i].shape[2] < cap:
-                grow = [(0, 0), (0, 0), (0, cap - self.keys[i].shape[2]), (0, 0)]
-                self.keys[i], self.values[i] = mx.pad(self.keys[i], grow), mx.pad(self.values[i], grow)
-            place = [(0, 0), (0, 0), (end - n, cap - end), (0, 0)]
-            self.keys[i] = mx.concatenate([self.keys[i], mx.pad(k, place)])
-            self.values[i] = mx.concatenate([self.values[i], mx.pad(v, place)])
-            self.capacity = cap
-        mask = np.zeros((1, self.valid.shape[1]), dtype=bool)
-        mask[0, end - n : end] = True
-        self.valid = np.concatenate([self.valid, mask])
-        self.lengths.append(n)
+        width = end + room if room is not None else max(self.keys[0].shape[2] if self.keys[0] is not None
+                                                        else self.capacity, end)
+
+        def stacked(a: mx.array | None, b: mx.array) -> mx.array:
+            b = mx.pad(b[:, :, :n], [(0, 0), (0, 0), (end - n, width - end), (0, 0)])
+            return b if a is None else mx.concatenate([_fit(a, width), b])
+
+        self.relayout(stacked, other)
+        self.capacity = width
+        self._room(width)
+        place = np.zeros((len(lengths), self.valid.shape[1]), dtype=bool)
+        place[:, end - n : end] = valid[:, :n]
+        self.valid = np.concatenate([self.valid, place])
+        first = self.rows
+        self.lengths += [int(x) for x in lengths]
         self.offset = end
-        return self.rows - 1
+        return list(range(first, self.rows))
 
     def select(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order (e.g. to drop finished sequences)."""
+        """Keep only these rows, in this order (e.g. to drop finished sequences), laid anew one layer at a time,
+        and drop the leading slots none of them uses (`trim`)."""
         if rows == list(range(self.rows)):
             return
         if rows:
-            super().select(mx.array(rows, dtype=mx.int32))
+            idx = mx.array(rows, dtype=mx.int32)
+            self.relayout(lambda a: a[idx])
         else:
             self.keys = [None] * self.num_layers
             self.values = [None] * self.num_layers
@@ -123,3 +129,8 @@ class RowsCache(KVCache):
         out.offset = n
         mx.eval(*out.state())
         return out
+
+
+def _fit(a: mx.array, n: int) -> mx.array:
+    """a (B, h, S, D) cut or zero-padded to n slots."""
+    return a[:, :, :n] if a.shape[2] >= n else mx.pad(a, [(0, 0), (0, 0), (0, n - a.shape[2]), (0, 0)])

@@ -19,29 +19,31 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_redrafter.cache import KVCache
+from mlx_redrafter.batch.cache import RowsCache
+from mlx_redrafter.batch.step import ar_step
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model, forward_chunked
 from mlx_redrafter.models.loader import Target
+from mlx_redrafter.sampling import GREEDY
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
 from mlx_redrafter.train.distill import Made, partial_path
 from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, follow_choice, plan_jobs, plan_order
 
-ROOM = 256  # free slots a running cache keeps after its rows' entries when it is laid out anew
+ROOM = 256  # free slots the running cache keeps after its rows' entries when a group joins
 
 
 class GreedyRows:
-    """Sequences decoding greedily together in one KV cache, to which groups of prompts can be added while others
-    run (so that a batch stays full while its rows finish at different lengths).
+    """Sequences decoding greedily together in one `RowsCache`, to which groups of prompts can be added while
+    others run (so that a batch stays full while its rows finish at different lengths).
 
     `add` prefills a group of prompts (and the branches that continue them: `generate_greedy`) in a cache of its
-    own and joins it to the running rows: both caches are aligned on their last column (the shorter one padded on
-    the left, its pad slots masked out) and stacked. `step` feeds every running row its last token; a row stops at
-    an eos id or after `max_new_tokens` tokens. Each row keeps its own positions and the slots it may attend to
-    (left padding and the empty slots of a short suffix are hidden), so a row decides what it would alone.
-    Finished rows leave the cache once fewer than `compact_below` of its rows still run, or before a group joins.
+    own and joins its rows to the running ones (`RowsCache.join_rows`: left padding and the empty slots of a short
+    suffix stay masked). `step` feeds every row its last token (`batch.step.ar_step`); a row stops at an eos id or
+    after `max_new_tokens` tokens. Each row keeps its own positions and the slots it may attend to, so a row decides
+    what it would alone. Finished rows leave the cache once fewer than `compact_below` of its rows still run, or
+    before a group joins.
     """
 
     def __init__(self, model: Model, max_new_tokens: int, eos_ids: list[int], capture: bool = False,
@@ -50,12 +52,8 @@ class GreedyRows:
             raise UserError("the target tokenizer has no eos id: cannot pad or stop generations")
         self.model, self.max_new, self.eos_ids, self.capture = model, max_new_tokens, list(eos_ids), capture
         self.eos, self.compact_below = set(eos_ids), compact_below
-        self.cache: KVCache | None = None
+        self.cache = RowsCache(model.args.num_hidden_layers, 0)
         self.keys: list[object] = []  # per cache row: its key
-        self.pad = np.zeros(0, dtype=np.int64)  # per cache row: slots before its first token
-        self.lo = np.zeros(0, dtype=np.int64)  # per cache row: empty slots [lo, hi) before its suffix
-        self.hi = np.zeros(0, dtype=np.int64)
-        self.pos = np.zeros(0, dtype=np.int64)  # per cache row: the position of the token it feeds next
         self.nxt = mx.zeros((0,), dtype=mx.int32)
         self.h = mx.zeros((0, model.args.hidden_size), dtype=mx.float16)
         self.out: dict[object, list[int]] = {}
@@ -78,16 +76,16 @@ class GreedyRows:
 
     def add(self, prompts: list[list[int]], branches: list[tuple[int, list[int]]], keys: list[object],
             room: int = ROOM) -> None:
-        """Prefill `prompts` and start a row per branch (i, suffix): prompts[i] + suffix, under its key. A first
-        group's cache keeps `room` free slots per row for decoding (the cache grows, for a moment twice its size,
-        when the rows outlast them)."""
+        """Prefill `prompts` and start a row per branch (i, suffix): prompts[i] + suffix, under its key. The cache
+        keeps `room` free slots after its rows' entries (it grows, for a moment twice its size, when the rows
+        outlast them)."""
         model, pad_id = self.model, self.eos_ids[0]
         self._compact()
         B = len(branches)
         tok, positions, mask, pad = left_padded(prompts, pad_id)
         n_pad = tok.shape[1]
         S = max(len(s) for _, s in branches)
-        cache = model.make_cache(n_pad + S + (room if self.cache is None else 0))
+        cache = model.make_cache(n_pad + S)
         logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
         of = np.array([i for i, _ in branches])
         lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
@@ -98,13 +96,13 @@ class GreedyRows:
             idx = mx.array(of)
             cache.select(idx)
             nxt, h = nxt[idx], h[idx]
+        cols = np.arange(n_pad + S)
+        in_hole = (cols[None, :] >= n_pad) & (cols[None, :] < n_pad + hole[:, None])
+        key_ok = (cols[None, :] >= pad[:, None]) & ~in_hole  # (B, n_pad + S): each row's own entries
         if S:
             block = np.full((B, S), pad_id, dtype=np.int32)
             for b, (_, s) in enumerate(branches):
                 block[b, hole[b]:] = s
-            cols = np.arange(n_pad + S)
-            in_hole = (cols[None, :] >= n_pad) & (cols[None, :] < n_pad + hole[:, None])
-            key_ok = (cols[None, :] >= pad[:, None]) & ~in_hole
             q = np.arange(S)
             sees = key_ok[:, None, :] & (cols[None, None, :] <= n_pad + q[None, :, None])
             sees[:, q, n_pad + q] = True  # an empty slot's query sees itself
@@ -114,24 +112,10 @@ class GreedyRows:
             fed = mx.array(hole < S)  # rows whose suffix is not empty take their first token from it
             nxt = mx.where(fed, mx.argmax(logits[:, -1], axis=-1), nxt)
             h = mx.where(fed[:, None], hidden[:, -1], h)
-        nxt, h = nxt.astype(mx.int32), h.astype(mx.float16)
-        lo, hi = np.full(B, n_pad), n_pad + hole
-        if self.cache is None:
-            self.cache = cache
-        else:
-            shift = self.cache.offset - cache.offset  # > 0: the new rows start later; < 0: the running rows do
-            if shift < 0:
-                _shift_right(self.cache, -shift)
-                self.pad, self.lo, self.hi = self.pad - shift, self.lo - shift, self.hi - shift
-            elif shift > 0:
-                _shift_right(cache, shift)
-                pad, lo, hi = pad + shift, lo + shift, hi + shift
-            _stack(self.cache, cache)
+        self.cache.join_rows(cache, key_ok, lens.tolist(), room)
         self.keys += list(keys)
-        self.pad, self.lo, self.hi = np.concatenate([self.pad, pad]), np.concatenate([self.lo, lo]), np.concatenate(
-            [self.hi, hi])
-        self.pos = np.concatenate([self.pos, lens])
-        self.nxt, self.h = mx.concatenate([self.nxt, nxt]), mx.concatenate([self.h, h])
+        self.nxt = mx.concatenate([self.nxt, nxt.astype(mx.int32)])
+        self.h = mx.concatenate([self.h, h.astype(mx.float16)])
         for k in keys:
             self.out[k], self.hids[k], self.running[k] = [], [], True
         self._take(list(range(len(self.keys) - B, len(self.keys))))
@@ -144,15 +128,9 @@ class GreedyRows:
             return
         if live < self.compact_below * len(self.keys):
             self._compact()
-        cache = self.cache
-        cols = mx.arange(cache.offset + 1)[None, :]
-        pad, lo, hi = (mx.array(a[:, None]) for a in (self.pad, self.lo, self.hi))
-        key_ok = ((cols >= pad) & ((cols < lo) | (cols >= hi)))[:, None, None, :]
-        logits, hidden = self.model(self.nxt[:, None], cache, mx.array(self.pos[:, None], dtype=mx.int32), key_ok)
-        cache.advance(1)
-        self.pos = self.pos + 1
-        self.nxt = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
-        self.h = hidden[:, 0].astype(mx.float16)
+        B = len(self.keys)
+        nxt, h = ar_step(self.model, self.cache, self.nxt, [GREEDY] * B, [None] * B)
+        self.nxt, self.h = nxt.astype(mx.int32), h.astype(mx.float16)
         self._take([i for i, k in enumerate(self.keys) if self.running[k]])
 
     def _take(self, rows: list[int]) -> None:
@@ -169,65 +147,14 @@ class GreedyRows:
             self.running[k] = new[i] not in self.eos and len(self.out[k]) < self.max_new
 
     def _compact(self) -> None:
-        """Drop the finished rows from the cache, and the leading slots no remaining row uses."""
-        if self.cache is None:
-            return
+        """Drop the finished rows from the cache (and the leading slots no remaining row uses)."""
         keep = [i for i, k in enumerate(self.keys) if self.running[k]]
         if len(keep) == len(self.keys):
             return
-        if not keep:
-            self.cache, self.keys = None, []
-            self.pad = self.lo = self.hi = self.pos = np.zeros(0, dtype=np.int64)
-            self.nxt, self.h = self.nxt[:0], self.h[:0]
-            return
-        idx = mx.array(keep)
-        _relayout(self.cache, lambda a: a[idx])
+        self.cache.select(keep)
         self.keys = [self.keys[i] for i in keep]
-        self.pad, self.lo, self.hi, self.pos = self.pad[keep], self.lo[keep], self.hi[keep], self.pos[keep]
-        self.nxt, self.h = self.nxt[idx], self.h[idx]
-        first = int(self.pad.min())
-        if first >= 64:
-            _drop_left(self.cache, first)
-            self.pad, self.lo, self.hi = self.pad - first, self.lo - first, self.hi - first
-
-
-def _relayout(cache: KVCache, fn: Callable[[mx.array], mx.array], other: KVCache | None = None) -> None:
-    """Replace every layer's keys and values a by fn(a) (or fn(a, b) with `other`'s b), one layer at a time, so
-    that the cache is never held twice (a 64-row cache of a turn-2 batch holds several GB)."""
-    for i in range(cache.num_layers):
-        if cache.keys[i] is None:
-            continue
-        if other is None:
-            cache.keys[i], cache.values[i] = fn(cache.keys[i]), fn(cache.values[i])
-        else:
-            cache.keys[i], cache.values[i] = fn(cache.keys[i], other.keys[i]), fn(cache.values[i], other.values[i])
-        mx.eval(cache.keys[i], cache.values[i])
-    cache.capacity = cache.keys[0].shape[2]
-    mx.clear_cache()  # the freed layouts are not reused: give them back
-
-
-def _fit(a: mx.array, n: int) -> mx.array:
-    """a (B, h, S, D) cut or zero-padded to n slots."""
-    return a[:, :, :n] if a.shape[2] >= n else mx.pad(a, [(0, 0), (0, 0), (0, n - a.shape[2]), (0, 0)])
-
-
-def _shift_right(cache: KVCache, n: int) -> None:
-    """n empty slots before every row's entries (keeping ROOM free slots after them)."""
-    _relayout(cache, lambda a: mx.pad(_fit(a, cache.offset + ROOM), [(0, 0), (0, 0), (n, 0), (0, 0)]))
-    cache.offset += n
-
-
-def _drop_left(cache: KVCache, n: int) -> None:
-    """Forget the first n slots of every row."""
-    _relayout(cache, lambda a: a[:, :, n:])
-    cache.offset -= n
-
-
-def _stack(cache: KVCache, other: KVCache) -> None:
-    """Append the rows of `other` (same offset) to `cache`, keeping ROOM free slots after the offset (a cache that
-    runs out of them grows as it decodes, for a moment twice its size)."""
-    end = cache.offset + ROOM
-    _relayout(cache, lambda a, b: mx.concatenate([_fit(a, end), _fit(b, end)]), other)
+        idx = mx.array(keep, dtype=mx.int32)
+        self.nxt, self.h = (self.nxt[idx], self.h[idx]) if keep else (self.nxt[:0], self.h[:0])
 
 
 def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
