@@ -1,6 +1,7 @@
 """`make fuzz`: a long randomised exactness sweep (excluded from `make test`; run it before a release).
 
-Random (drafter seed, drafter shape, W, L, lookup width and index, prompt, length) cases, greedy fp32:
+Random (drafter seed, drafter shape, W, L, lookup width and index, prompt, length) cases, greedy fp32, some with a
+drafter that fuses target layers (the target then returns them; plain drafters also run on such a target):
 speculative output must equal AR output, or differ only on a proven numerical tie (tests/exactness.py).
 Set FUZZ_CASES (default 1000) and FUZZ_SEED. Prints a one-line summary per 50 cases and at the end.
 """
@@ -18,12 +19,22 @@ from mlx_redrafter.draft.lookup import AnswerIndex, LookupSource, NgramIndex, Su
 from mlx_redrafter.draft.redrafter import RnnSource, random_drafter
 
 pytestmark = pytest.mark.fuzz
+TAPS = (2, 15, 24)  # the target layers a fused drafter reads
 
 
-def test_random_cases_never_diverge(target, chat_ids):
+@pytest.fixture()
+def model(target):
+    """The session's model, its feature_layers restored after the test."""
+    try:
+        yield target.model
+    finally:
+        target.model.feature_layers = ()
+
+
+def test_random_cases_never_diverge(target, model, chat_ids):
     n_cases = int(os.environ.get("FUZZ_CASES", "1000"))
     rng = random.Random(int(os.environ.get("FUZZ_SEED", "0")))
-    tok, model = target.tokenizer, target.model
+    tok = target.tokenizer
     extra = [tok.encode_chat([{"role": "user", "content": p}]) for p in (
         "Repeat after me: one two three one two three one two three.", "Say hello.", "List the numbers 1 to 20.")]
     prompts = chat_ids + extra
@@ -34,11 +45,12 @@ def test_random_cases_never_diverge(target, chat_ids):
     t0 = time.time()
     for case in range(n_cases):
         seed = rng.randrange(8)
-        shape = rng.choice([(128, 4096), (576, None), (64, 1024)])
+        shape = rng.choice([(128, 4096, ()), (576, None, ()), (64, 1024, ()), (128, 4096, TAPS)])
         if (seed, shape) not in drafters:
             drafters[(seed, shape)] = random_drafter(576, 49152, seed=seed, exit_dim=shape[0],
-                                                     draft_vocab_size=shape[1])
+                                                     draft_vocab_size=shape[1], feature_layers=list(shape[2]) or None)
         drafter = drafters[(seed, shape)]
+        model.feature_layers = shape[2] or (TAPS if rng.random() < 0.2 else ())
         W, L, K = rng.choice([1, 2, 3, 4, 8]), rng.randint(2, 7), rng.choice([0, 0, 1, 2, 3])
         p_idx, n_tok = rng.randrange(len(prompts)), rng.choice([8, 16, 24])
         index = rng.choice([NgramIndex, SuffixIndex])
@@ -72,7 +84,7 @@ def test_random_cases_never_diverge(target, chat_ids):
     assert failures == 0
 
 
-def test_random_batches_never_diverge(target, chat_ids):
+def test_random_batches_never_diverge(target, model, chat_ids):
     """Random batches: 1-8 rows, more prompts than rows (rows join mid-way), each row with its own random draft
     sources; every row's greedy output equals its prompt decoded alone with AR (or a proven tie).
     FUZZ_BATCHES (default 100) batches."""
@@ -81,8 +93,9 @@ def test_random_batches_never_diverge(target, chat_ids):
 
     n_batches = int(os.environ.get("FUZZ_BATCHES", "100"))
     rng = random.Random(int(os.environ.get("FUZZ_SEED", "0")) + 7919)
-    tok, model = target.tokenizer, target.model
+    tok = target.tokenizer
     drafters = {s: random_drafter(576, 49152, seed=s, exit_dim=128, draft_vocab_size=4096) for s in range(4)}
+    drafters[4] = random_drafter(576, 49152, seed=4, exit_dim=128, draft_vocab_size=4096, feature_layers=list(TAPS))
     flat = CostCurve({b: [1.0 + 0.05 * p for p in range(8)] for b in (1, 2, 4, 8)})
     ar_cache: dict = {}
     ties = failures = rows_checked = 0
@@ -91,7 +104,8 @@ def test_random_batches_never_diverge(target, chat_ids):
     def allocator():
         slots = []
         if rng.random() < 0.8:
-            slots.append(Slot(RnnSource(drafters[rng.randrange(4)], model.embed), rng.choice([1, 2, 3])))
+            slots.append(Slot(RnnSource(drafters[rng.randrange(5 if model.feature_layers else 4)], model.embed),
+                              rng.choice([1, 2, 3])))
         if rng.random() < 0.6:
             slots.append(Slot(LookupSource(rng.choice([NgramIndex, SuffixIndex]), max_length=rng.choice([0, 9])),
                               rng.choice([1, 2])))
@@ -101,6 +115,7 @@ def test_random_batches_never_diverge(target, chat_ids):
         B, n_tok, L = rng.randint(1, 8), rng.choice([8, 16, 24]), rng.randint(2, 6)
         idx = [rng.randrange(len(chat_ids)) for _ in range(rng.randint(1, 10))]
         budget = Budget(L, flat if rng.random() < 0.5 else None)
+        model.feature_layers = TAPS if rng.random() < 0.4 else ()
         out: dict[int, list[int]] = {i: [] for i in range(len(idx))}
         for i, r in generate_batch(model, [chat_ids[p] for p in idx], batch_size=B, max_tokens=n_tok,
                                    eos_ids=tok.eos_ids, allocator=allocator, length=L, budget=budget):
