@@ -130,6 +130,7 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
         parts = -(-len(packed) // PART_BYTES)
         for k in range(parts):
             (job_dir / f"gguf.xz.{k}").write_bytes(packed[k * PART_BYTES:(k + 1) * PART_BYTES])
+        _bundle_gguf_reader(job_dir / "pylib")
     else:
         parts = len(list(job_dir.glob("gguf.xz.*")))
     import hashlib
@@ -143,6 +144,22 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
     print(f"{job_dir}: {len(todo)} shards to make: {len(t1_row)} turn-1 prompts, {len(t2_row)} turn-2 rows "
           f"({len(fixed)} with their turn-1 sequence here); GGUF (xz) in {parts} parts")
+
+
+def _bundle_gguf_reader(dest: Path) -> None:
+    """Copy the `gguf` package (pure Python; transformers needs it to read a GGUF) and its metadata into `dest`,
+    for a CUDA machine that has torch and transformers but not it (`load_model` falls back to it)."""
+    import importlib.metadata
+    import shutil
+
+    import gguf
+
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(Path(gguf.__file__).parent, dest / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
+    meta = Path(str(importlib.metadata.distribution("gguf").locate_file(""))) / \
+        f"gguf-{importlib.metadata.version('gguf')}.dist-info"
+    if meta.is_dir():
+        shutil.copytree(meta, dest / meta.name)
 
 
 def _fail(msg: str) -> None:
@@ -162,8 +179,12 @@ def load_model(job_dir: Path, spec: dict, device: str, gguf_dir: Path | None = N
     """The target (float32) from the GGUF parts (in `gguf_dir`, else beside the job), via transformers' GGUF
     loader."""
     import hashlib
+    import importlib.util
+    import sys
     import tempfile
 
+    if importlib.util.find_spec("gguf") is None and (job_dir / "pylib" / "gguf").is_dir():
+        sys.path.insert(0, str(job_dir / "pylib"))  # the copy `prepare` bundled
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
