@@ -46,11 +46,15 @@ __all__ = ["LoadedModel", "DecodeOptions", "decode_options", "Response", "Result
 
 @dataclass
 class LoadedModel:
-    """A loaded target model with an optional drafter."""
+    """A loaded target model with an optional drafter; pairing them sets the target's forward to provide what the
+    drafter reads (`read_features`: the layers a drafter that fuses several reads, else the last alone)."""
 
     target: Target
     drafter: AnyDrafter | None
     drafter_name: str
+
+    def __post_init__(self) -> None:
+        read_features(self.target.model, self.drafter)
 
     @property
     def tokenizer(self):

@@ -144,7 +144,13 @@ def test_feature_layers_round_trip_and_bad_values_are_one_line_errors(target, fu
             DrafterArgs.from_dict({**cfg, "feature_layers": bad})
     with pytest.raises(UserError, match="reads target layer 40"):
         check_compatible(DrafterArgs.from_dict({**cfg, "feature_layers": [2, 40]}), 576, 49152, "d", 30)
-    read_features(target.model, None)
+    lm = api.LoadedModel(target, back, "fused")
+    try:
+        assert target.model.feature_layers == tuple(LAYERS)
+        assert api.generate(lm, "Say hello.", max_tokens=8).tokens == api.generate(
+            api.LoadedModel(target, None, "none"), "Say hello.", max_tokens=8).tokens
+    finally:
+        read_features(target.model, None)
     assert target.model.feature_layers == ()
 
 
