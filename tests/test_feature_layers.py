@@ -171,3 +171,18 @@ def test_the_cpu_trainer_refuses_to_start_from_a_fused_drafter(fused, tmp_path):
     proc = run(train(tmp_path, "-o", str(out), "--init-from", str(folder)), tmp_path)
     assert_one_line_error(proc, "reads target layers [2, 15, 24]", "cuda_job.py")
     assert not out.exists()
+
+
+def test_the_data_engine_keeps_the_last_state_on_a_target_that_returns_tapped_layers(target, chat_ids):
+    from mlx_redrafter.train.greedy import generate_greedy
+
+    prompts = [chat_ids[1][:30], chat_ids[9][:50]]
+    plain, states = generate_greedy(target.model, prompts, 12, target.tokenizer.eos_ids, capture=True)
+    target.model.feature_layers = tuple(LAYERS)
+    try:
+        tapped, tapped_states = generate_greedy(target.model, prompts, 12, target.tokenizer.eos_ids, capture=True)
+    finally:
+        target.model.feature_layers = ()
+    assert tapped == plain
+    assert all(a.shape == b.shape == (len(o), 576) and np.array_equal(a, b)
+               for a, b, o in zip(states, tapped_states, plain))

@@ -115,7 +115,7 @@ class GreedyRows:
         self.cache.join_rows(cache, key_ok, lens.tolist(), room)
         self.keys += list(keys)
         self.nxt = mx.concatenate([self.nxt, nxt.astype(mx.int32)])
-        self.h = mx.concatenate([self.h, h.astype(mx.float16)])
+        self.h = mx.concatenate([self.h, self._last_state(h)])
         for k in keys:
             self.out[k], self.hids[k], self.running[k] = [], [], True
         self._take(list(range(len(self.keys) - B, len(self.keys))))
@@ -130,8 +130,14 @@ class GreedyRows:
             self._compact()
         B = len(self.keys)
         nxt, h = ar_step(self.model, self.cache, self.nxt, [GREEDY] * B, [None] * B)
-        self.nxt, self.h = nxt.astype(mx.int32), h.astype(mx.float16)
+        self.nxt, self.h = nxt.astype(mx.int32), self._last_state(h)
         self._take([i for i, k in enumerate(self.keys) if self.running[k]])
+
+    def _last_state(self, hidden: mx.array) -> mx.array:
+        """The post-norm state (float16) of the target's features (the first H columns: a target set to return
+        tapped layers too returns them after it)."""
+        H = self.model.args.hidden_size
+        return (hidden if hidden.shape[-1] == H else hidden[:, :H]).astype(mx.float16)
 
     def _take(self, rows: list[int]) -> None:
         """Record the tokens (and states) just decided for these cache rows."""
