@@ -580,7 +580,7 @@ def weight_parts(sd: dict[str, Any], limit: int = PART_BYTES) -> list[dict[str, 
 
 
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
-          t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("hard", "soft"),
+          t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("soft-fuse3",),
           init: Path | None = None, greedy_contexts: int | None = None) -> dict:
     """Train one warm-started drafter per variant (`VARIANTS`) until `deadline`, from `drafter_dir`'s weights or
     `init`'s; save each (fp16, its config in the file's metadata). The variants without text draw their batches
@@ -689,7 +689,7 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
 
 def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: int | None = None,
         max_rows: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
-        variants: tuple[str, ...] = ("hard", "soft"), init: Path | None = None, parity: bool = True,
+        variants: tuple[str, ...] = ("soft-fuse3",), init: Path | None = None, parity: bool = True,
         gguf_dir: Path | None = None) -> None:
     """Parity, generation, features and training within `budget_s` seconds; results in `out`."""
     import torch
@@ -913,7 +913,7 @@ def _main() -> None:
     r.add_argument("--batch", type=int, default=1024)
     r.add_argument("--lr", type=float, default=5e-4)
     r.add_argument("--gen-share", type=float, default=0.5)
-    r.add_argument("--variants", default="hard,soft",
+    r.add_argument("--variants", default="soft-fuse3",
                    help="drafters trained side by side, comma-separated: " + ", ".join(VARIANTS))
     r.add_argument("--init", type=Path, default=None, help="start from these drafter weights (same shape)")
     r.add_argument("--no-parity", action="store_true")
