@@ -135,3 +135,24 @@ def test_a_drafter_returned_in_parts_lands_whole(tmp_path):
     back = load_file(str(folder / "model.safetensors"))
     assert set(back) == set(sd) and all(np.array_equal(back[k], sd[k].numpy()) for k in sd)
     assert json.loads((folder / "config.json").read_text()) == d.cfg
+
+
+def test_a_fused_drafter_grown_again_keeps_its_fusion_and_a_run_reads_its_layers(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from bench.torch_ref.cuda_job import VARIANTS, grown, start_config
+    from bench.torch_ref.drafter import random_torch_drafter
+
+    d = random_torch_drafter(16, 40, exit_dim=12, num_draft_layers=2)
+    taps = VARIANTS["soft-fuse3"].taps
+    w, cfg = grown(d.state_dict(), d.cfg, taps=taps)
+    w["fuse.weight"] = w["fuse.weight"] + 1.0  # as if trained
+    again, cfg2 = grown(w, cfg, taps=taps)
+    assert torch.equal(again["fuse.weight"], w["fuse.weight"]) and cfg2 == cfg
+    with pytest.raises(SystemExit):
+        grown(w, cfg, taps=VARIANTS["soft-fuse"].taps)
+    save_file({k: t.contiguous() for k, t in w.items()}, str(tmp_path / "fused.safetensors"),
+              metadata={"config": json.dumps(cfg)})
+    assert start_config(tmp_path / "nowhere", tmp_path / "fused.safetensors")["feature_layers"] == list(taps)

@@ -559,10 +559,34 @@ def grown(weights: dict[str, Any], cfg: dict[str, Any], extra_layers: int = 0,
             out[f"lm_head.{j}.linear.weight"] = torch.zeros((E, E))
             out[f"lm_head.{j}.linear.bias"] = torch.zeros(E)
         cfg["num_draft_layers"] = n + extra_layers
-    if taps:
+    if taps and cfg.get("feature_layers") not in (None, list(taps)):
+        _fail(f"the variant reads target layers {list(taps)} but the starting drafter reads "
+              f"{cfg['feature_layers']}: start from a drafter without them, or with the same")
+    if taps and not cfg.get("feature_layers"):
         out["fuse.weight"] = torch.cat([torch.eye(H), torch.zeros((H, H * len(taps)))], dim=1)
         cfg["feature_layers"] = list(taps)
     return out, cfg
+
+
+def start_config(drafter_dir: Path, init: Path | None) -> dict[str, Any]:
+    """The config of the drafter a run starts from: `init`'s (a returned drafter file carries it in its metadata; a
+    drafter folder's weights have it beside them), else the drafter folder's."""
+    if init is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(init), "np") as st:
+            meta = (st.metadata() or {}).get("config")
+        if meta:
+            return json.loads(meta)
+        if (init.parent / "config.json").is_file():
+            return json.loads((init.parent / "config.json").read_text())
+    return json.loads((drafter_dir / "config.json").read_text())
+
+
+def part_files(first: Path) -> list[Path]:
+    """A weights file and the parts that continue it (`first.1`, `first.2`, ... as `weight_parts` splits them)."""
+    rest = [p for p in first.parent.glob(f"{first.name}.*") if p.suffix[1:].isdigit()]
+    return [first, *sorted(rest, key=lambda p: int(p.suffix[1:]))]
 
 
 def weight_parts(sd: dict[str, Any], limit: int = PART_BYTES) -> list[dict[str, Any]]:
@@ -592,8 +616,9 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     from bench.torch_ref.drafter import TorchDrafter
 
     device = train_f.hidden.device
-    base_cfg = json.loads((drafter_dir / "config.json").read_text())
-    weights = load_file(str(init or drafter_dir / "model.safetensors"))
+    base_cfg = start_config(drafter_dir, init)
+    weights = {k: t for part in part_files(init or drafter_dir / "model.safetensors")
+               for k, t in load_file(str(part)).items()}
     n_greedy = len(train_f) if greedy_contexts is None else greedy_contexts
     embed_w = model.model.embed_tokens.weight.detach().float()
 
@@ -748,7 +773,8 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
             _fail("a variant trains on fixed text but the job names no text corpus: run prepare again")
         text = corpus_sequences(Path(spec["text_corpus"]), limit)["train"]
     greedy_contexts = sum(len(s) - P for s, P in seqs["train"] + new)
-    taps = tuple(sorted({layer for v in variants for layer in VARIANTS[v].taps}))
+    start = start_config(Path(spec["drafter"]), init).get("feature_layers") or []
+    taps = tuple(sorted({layer for v in variants for layer in VARIANTS[v].taps} | set(start)))
     train_f = Features(model, seqs["train"] + new + text, device, taps=taps)
     held_f = Features(model, seqs["heldout"], device, taps=taps)
     report["features"] = {"train_sequences": train_f.sequences, "train_contexts": len(train_f),
@@ -822,7 +848,7 @@ def drafter_folders(result_dir: Path, dest: Path) -> list[Path]:
     made = []
     for f in sorted(result_dir.glob("drafter_*.safetensors")):
         weights: dict[str, np.ndarray] = {}
-        for part in [f, *sorted(result_dir.glob(f"{f.name}.*"), key=lambda p: int(p.suffix[1:]))]:
+        for part in part_files(f):
             with safe_open(str(part), "np") as st:
                 weights.update({k: st.get_tensor(k) for k in st.keys()})
                 if part == f:
