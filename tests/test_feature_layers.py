@@ -186,3 +186,17 @@ def test_the_data_engine_keeps_the_last_state_on_a_target_that_returns_tapped_la
     assert tapped == plain
     assert all(a.shape == b.shape == (len(o), 576) and np.array_equal(a, b)
                for a, b, o in zip(states, tapped_states, plain))
+
+
+def test_a_fused_drafter_quantizes_and_loads_back(tmp_path):
+    from mlx_redrafter.draft.redrafter import quantize_drafter
+
+    d = random_drafter(576, 49152, seed=5, exit_dim=128, draft_vocab_size=4096, feature_layers=LAYERS)
+    h = mx.random.normal((2, 576 * (1 + len(LAYERS))), key=mx.random.key(3))
+    quantize_drafter(d, 4, 64)
+    back = load_drafter(save_drafter(d, tmp_path / "q4"))
+    assert back.args.quantization == {"bits": 4, "group_size": 64} and back.args.feature_layers == LAYERS
+    first = mx.array([17, 901])
+    b1, _ = beam_search(d, embed, h, first, width=2, length=4)
+    b2, _ = beam_search(back, embed, h, first, width=2, length=4)
+    assert mx.array_equal(b1, b2)
