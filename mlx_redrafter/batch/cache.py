@@ -85,13 +85,13 @@ class RowsCache(KVCache):
         self.lengths = [self.lengths[r] for r in rows]
         self.trim()
 
-    def trim(self, least: int = 64) -> None:
+    def trim(self, least: int = 64, share: float = 0.25) -> None:
         """Drop the leading slots no row uses any more (left by rows that finished), when there are at least
-        `least` of them and a quarter of the committed region: attention and masks then cover only live rows'
+        `least` of them and `share` of the committed region: attention and masks then cover only live rows'
         spans, at the price of one copy of the cache."""
         used = self.valid[:, : self.offset].any(axis=0)
         first = int(used.argmax()) if used.any() else self.offset
-        if first < max(least, self.offset // 4):
+        if first < max(least, int(self.offset * share)):
             return
         for i in range(self.num_layers):
             if self.keys[i] is not None:
