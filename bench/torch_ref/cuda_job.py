@@ -482,7 +482,8 @@ class Features:
 
 
 def rms_normalized(x: Any, eps: float = 1e-5) -> Any:
-    """x / RMS(x) over the last axis, in float32 (a tapped layer's output, before it is fused)."""
+    """x / RMS(x) over the last axis, in float32 (a tapped layer's output, before it is fused); `eps` is the
+    runtime's `model.TAP_EPS` (this side of the job imports no MLX)."""
     import torch
 
     x = x.float()

@@ -69,9 +69,9 @@ class RowsCache(KVCache):
         self.offset = end
         return list(range(first, self.rows))
 
-    def select(self, rows: list[int]) -> None:
+    def select(self, rows: list[int], share: float = 0.25) -> None:
         """Keep only these rows, in this order (e.g. to drop finished sequences), laid anew one layer at a time,
-        and drop the leading slots none of them uses (`trim`)."""
+        and drop the leading slots none of them uses (`trim`, with `share`)."""
         if rows == list(range(self.rows)):
             return
         if rows:
@@ -83,7 +83,7 @@ class RowsCache(KVCache):
             self.offset = 0
         self.valid = self.valid[rows]
         self.lengths = [self.lengths[r] for r in rows]
-        self.trim()
+        self.trim(share=share)
 
     def trim(self, least: int = 64, share: float = 0.25) -> None:
         """Drop the leading slots no row uses any more (left by rows that finished), when there are at least

@@ -157,8 +157,7 @@ class GreedyRows:
         keep = [i for i, k in enumerate(self.keys) if self.running[k]]
         if len(keep) == len(self.keys):
             return
-        self.cache.select(keep)
-        self.cache.trim(share=0.0)  # a data batch's long rows: every 64 dead leading slots cost each step more
+        self.cache.select(keep, share=0.0)  # long rows: every 64 dead leading slots cost each step more
         self.keys = [self.keys[i] for i in keep]
         idx = mx.array(keep, dtype=mx.int32)
         self.nxt, self.h = (self.nxt[idx], self.h[idx]) if keep else (self.nxt[:0], self.h[:0])
