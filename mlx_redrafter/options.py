@@ -18,6 +18,7 @@ from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_BEAM_LENGTH,
     DEFAULT_BEAM_WIDTH,
+    DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_LOOKUP_INDEX,
     DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
@@ -77,10 +78,15 @@ class DrafterOptions:
 
     vocab: int | None = None
     medusa_tree: str = DEFAULT_TREE
+    confidence: float = DEFAULT_DRAFT_CONFIDENCE
 
     def check(self) -> None:
         if self.vocab is not None:
             _check_int(self.vocab, "--drafter-vocab", 0, 1 << 24, " (0 = the drafter's whole head)")
+        c = self.confidence
+        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < 1:
+            raise UserError(f"--draft-confidence must be a number in [0, 1) (0 = drafts of the full length; "
+                            f"got {c!r})")
         parse_tree(self.medusa_tree)
 
 
@@ -149,6 +155,7 @@ FLAT: dict[str, tuple[str | None, str]] = {
     "answers_width": ("lookup", "answers_width"),
     "drafter_vocab": ("drafter", "vocab"),
     "medusa_tree": ("drafter", "medusa_tree"),
+    "draft_confidence": ("drafter", "confidence"),
     "max_tokens": (None, "max_tokens"),
     "adaptive": (None, "adaptive"),
 }

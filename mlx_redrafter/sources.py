@@ -46,7 +46,8 @@ def vocab_rows(drafter: AnyDrafter, options: DecodeOptions) -> int:
 
 
 def _rnn(target: Target, drafter: AnyDrafter | None, options: DecodeOptions) -> Slot:
-    return Slot(RnnSource(drafter, target.model.embed, vocab_rows(drafter, options)), options.shape.width)
+    return Slot(RnnSource(drafter, target.model.embed, vocab_rows(drafter, options), options.drafter.confidence),
+                options.shape.width)
 
 
 def _semi_ar(target: Target, drafter: AnyDrafter | None, options: DecodeOptions) -> Slot:
@@ -71,7 +72,8 @@ def _answers(target: Target, drafter: AnyDrafter | None, options: DecodeOptions)
 
 
 SOURCE_KINDS: dict[str, SourceKind] = {k.name: k for k in (
-    SourceKind("rnn", _rnn, lambda t, d, o: {"beam_width": o.shape.width, "drafter_vocab": vocab_rows(d, o)}),
+    SourceKind("rnn", _rnn, lambda t, d, o: {"beam_width": o.shape.width, "drafter_vocab": vocab_rows(d, o),
+                                             "draft_confidence": o.drafter.confidence if o.shape.width == 1 else 0}),
     SourceKind("semi_ar", _semi_ar, lambda t, d, o: {"beam_width": o.shape.width}),
     SourceKind("medusa", _medusa, lambda t, d, o: {"medusa_tree": o.drafter.medusa_tree}),
     SourceKind("lookup", _lookup, lambda t, d, o: {
@@ -81,8 +83,8 @@ SOURCE_KINDS: dict[str, SourceKind] = {k.name: k for k in (
         "answers_width": o.lookup.answers_width if answer_table(t) is not None else 0}),
 )}
 # What a record says about sources a mode does not use.
-UNUSED = {"beam_width": 0, "drafter_vocab": 0, "lookup_width": 0, "lookup": "none", "lookup_max_length": 0,
-          "answers_width": 0}
+UNUSED = {"beam_width": 0, "drafter_vocab": 0, "draft_confidence": 0, "lookup_width": 0, "lookup": "none",
+          "lookup_max_length": 0, "answers_width": 0}
 
 
 def make_allocator(mode: Mode, target: Target, drafter: AnyDrafter | None, options: DecodeOptions,

@@ -50,6 +50,7 @@ class StepResult:
     accepted: int  # drafts accepted
     verified: int  # packed tokens the target verified
     candidates: int  # candidate slots proposed (before prefix sharing, PAD excluded)
+    longest: int  # tokens of the longest candidate (g0 included)
     runs: dict[str, int]  # per source: the drafts its best candidate would have had accepted
     source: str  # the source whose drafts were accepted ("" when none was)
     proposed: dict[str, int]  # per source: candidates proposed
@@ -79,8 +80,8 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     acc = accept(cands, tree, logits[0], sampling, None if sampling.greedy else rng.next())  # accept
     h = hidden[0, acc.stop][None]
     drafted = tree.tokens[acc.path]
-    n_real = mx.cumprod(cands >= 0, axis=1).sum()  # slots before each candidate's first PAD
-    mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.matched, n_real)
+    lens = mx.cumprod(cands >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD
+    mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.matched, lens)
     clock.lap("accept", unprofiled="verify")
     n = acc.n.item()
     cache.commit(acc.path, n + 1)  # commit (a copy only if the path is not in place; lazy)
@@ -90,8 +91,8 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     runs = proposal.by_source(matched)
     source = proposal.owner(matched.index(n)) if n > 0 else ""
     return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
-                      candidates=n_real.item(), runs=runs, source=source, proposed=proposal.proposed(),
-                      seconds=clock.seconds)
+                      candidates=lens.sum().item(), longest=lens.max().item(), runs=runs, source=source,
+                      proposed=proposal.proposed(), seconds=clock.seconds)
 
 
 class _Clock:

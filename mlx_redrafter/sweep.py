@@ -307,6 +307,7 @@ def _summary(rs: list[dict[str, Any]], extra_means: tuple[str, ...]) -> dict[str
     rec["medusa_tree"] = rs[0].get("medusa_tree", "")
     rec["answers_width"] = rs[0].get("answers_width", 0)
     rec["drafter_vocab"] = rs[0].get("drafter_vocab", 0)
+    rec["draft_confidence"] = rs[0].get("draft_confidence", 0)
     rec["lookup_max_length"] = rs[0].get("lookup_max_length", 0)
     rec["accept"] = rs[0].get("accept", "greedy")  # greedy, exact or typical
     rec.update({

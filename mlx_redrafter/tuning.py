@@ -170,7 +170,7 @@ class Resolved:
 
 
 TUNED_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width")
-DRAFTING_FLAGS = ("beam_width", "beam_length", "lookup_width", "medusa_tree", "drafter_vocab")
+DRAFTING_FLAGS = ("beam_width", "beam_length", "lookup_width", "medusa_tree", "drafter_vocab", "draft_confidence")
 
 
 def resolve(model: str | None, drafter: str | None, flags: dict[str, Any], dtype: str) -> Resolved:

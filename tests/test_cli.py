@@ -42,6 +42,8 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--model", "no-such-alias"], ["unknown model"]),
         (["-p", "hi", "--drafter", "/nonexistent/drafter"], ["drafter", "does not exist"]),
         (["-p", "hi", "--draft", "lookup-else-rnn", "--drafter-vocab", "9000"], ["--drafter-vocab", "8192"]),
+        (["-p", "hi", "--draft-confidence", "1"], ["--draft-confidence", "[0, 1)"]),
+        (["-p", "hi", "--draft-confidence", "nan"], ["--draft-confidence", "[0, 1)"]),
         (["-p", "hi", "--lookup-max-length", "-1"], ["--lookup-max-length", "from 0 to 64"]),
         (["-p", "hi", "--lookup-max-length", "1000000000"], ["--lookup-max-length", "from 0 to 64"]),
         (["-p", "hi", "--temp", "nan"], ["--temp", "finite"]),

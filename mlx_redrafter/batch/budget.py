@@ -116,33 +116,36 @@ class Budget:
     """Per step, the candidate length of each row (see the module docstring).
 
     A row's drafts are modelled as accepted one after another with probability alpha, so a candidate of length l
-    decides (1 - alpha**l) / (1 - alpha) tokens on average. Alpha is kept per row and per kind of draft (an
-    exponential moving average of what the row's steps of that kind accepted): the kind is what the row drafts from
-    this step (`draft.base.drafting_source`: a copy from its context, which the target often accepts for many
-    tokens, or the drafter, which it accepts far less), known before the step is priced because copies are looked up
-    first. Without a curve every drafting row gets the full `length`. With one, the length l in 1..length (1: a
-    plain step) that maximises the batch's expected tokens per second. Costs are measured in this run, relative to
-    plain steps: `ratio(rows, l)` is what a step of length l cost over the plain step run right before or after it
-    (the median of the last `RATIO_WINDOW` such neighbours: one step slowed by something else, such as the cache
-    growing, must not keep the batch from speculating until the next probes wash it out), and `plain[rows]` what a
-    plain step costs now (every step updates it: a step of length l through its ratio). Neighbouring steps see the
-    same contexts, so a ratio stays valid as the contexts grow, where an absolute time measured many steps ago would
-    not; drafting, packing and acceptance, which the curve does not hold, are in it. A length without a measured
-    ratio takes the curve's ratio to the nearest measured one. The first step at a batch size is plain (the
-    reference). A step tries the other kind of step (2 drafted tokens while backed off, a plain step otherwise) when
-    there has been none for a while, so the acceptance and the costs stay current: `probe` steps at first, twice as
-    long after each probe (at most `max_probe`), back to `probe` when the choice changes while the rows draft from
-    the same kinds (a change of mind, not of situation). A batch where one kind of step keeps winning spends little
-    on the other; one that alternates with what its rows copy needs no probes.
+    decides (1 - alpha**l) / (1 - alpha) tokens on average. Alpha is kept per kind of draft, over every row (an
+    exponential moving average over the drafts verified, each weighing `acceptance_decay`): the kind is what a row
+    drafts from this step (`draft.base.drafting_source`: a copy from its context, which the target often accepts for
+    many tokens, or the drafter, which it accepts far less), known before the step is priced because copies are
+    looked up first. The rows of a batch draft from the same sources, and one row's last few drafts are too few to
+    price a step by (an alpha per row let a few rejected drafts send the batch to plain steps, where only rare
+    probes correct it). Without a curve every drafting row gets the full `length`. With one, the length l in
+    1..length (1: a plain step) that maximises the batch's expected tokens per second. Costs are measured in this
+    run, relative to plain steps: `ratio(rows, l)` is what a step of length l cost over the plain step run right
+    before or after it (the median of the last `RATIO_WINDOW` such neighbours: one step slowed by something else,
+    such as the cache growing, must not keep the batch from speculating until the next probes wash it out), and
+    `plain[rows]` what a plain step costs now (every step updates it: a step of length l through its ratio).
+    Neighbouring steps see the same contexts, so a ratio stays valid as the contexts grow, where an absolute time
+    measured many steps ago would not; drafting, packing and acceptance, which the curve does not hold, are in it. A
+    length without a measured ratio takes the curve's ratio to the nearest measured one. The first step at a batch
+    size is plain (the reference). A step tries the other kind of step (2 drafted tokens while backed off, a plain
+    step otherwise) when there has been none for a while, so the acceptance and the costs stay current: `probe`
+    steps at first, twice as long after each probe (at most `max_probe`), back to `probe` when the choice changes
+    while the rows draft from the same kinds (a change of mind, not of situation). A batch where one kind of step
+    keeps winning spends little on the other; one that alternates with what its rows copy needs no probes.
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
-                 probe: int = 12, max_probe: int = 96, copy_length: int | None = None):
+                 probe: int = 12, max_probe: int = 96, copy_length: int | None = None,
+                 acceptance_decay: float = 0.95):
         self.length, self.curve, self.decay, self.prior = length, curve, decay, prior
+        self.acceptance_decay = acceptance_decay
         self.copy_length = max(copy_length or length, length)
         self.probe, self.max_probe = probe, max_probe
-        self.alpha: list[dict[str, float]] = []  # per row: kind of draft -> acceptance
-        self.kind_alpha: dict[str, float] = {}  # per kind of draft, over every row: a joining row's starting point
+        self.alpha: dict[str, float] = {}  # kind of draft -> acceptance, over every row
         self.caps: list[int] = []  # each row's longest candidate
         self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
@@ -164,17 +167,14 @@ class Budget:
 
     def join(self, cap: int | None = None) -> None:
         """A row joins; its candidates are at most `cap` tokens (default: `length`)."""
-        self.alpha.append({})
         self.caps.append(min(cap or self.length, self.length))
 
     def select(self, keep: list[int]) -> None:
-        self.alpha = [self.alpha[i] for i in keep]
         self.caps = [self.caps[i] for i in keep]
 
-    def acceptance(self, row: int, kind: str) -> float:
-        """The row's alpha for this kind of draft; until it has drafted so, what the batch's rows accepted of that
-        kind (the prior before any has): a joining row does not relearn what the others already measured."""
-        return self.alpha[row].get(kind, self.kind_alpha.get(kind, self.prior))
+    def acceptance(self, kind: str) -> float:
+        """Alpha of this kind of draft (the prior until a row has drafted so)."""
+        return self.alpha.get(kind, self.prior)
 
     def expected(self, alpha: float, length: int) -> float:
         """Tokens a candidate of `length` decides on average (the target's own token included)."""
@@ -228,7 +228,7 @@ class Budget:
         rows = len(kinds)
         if rows not in self.plain:
             return 1  # the reference: plain steps at this batch size, measured first
-        alphas = [(self.acceptance(r, k), self.step_caps[r]) for r, k in drafting]
+        alphas = [(self.acceptance(k), self.step_caps[r]) for r, k in drafting]
 
         def rate(n: int) -> float:
             gain = rows - len(alphas) + sum(self.expected(a, min(n, c)) for a, c in alphas)
@@ -253,10 +253,9 @@ class Budget:
                 continue
             n = min(n, self.step_caps[r])  # a shorter copy had no more drafts
             trials = a + (a < n - 1)  # accepted drafts, then the rejected one (if the run ended early)
-            old = self.acceptance(r, kind)
-            rate = a / trials if trials else old
-            self.alpha[r][kind] = self.decay * old + (1 - self.decay) * rate
-            self.kind_alpha[kind] = self._average(self.kind_alpha.get(kind), self.alpha[r][kind])
+            if trials:
+                keep = self.acceptance_decay**trials
+                self.alpha[kind] = keep * self.acceptance(kind) + (1 - keep) * a / trials
         rows, n = self.last
         if seconds is None or self.curve is None or not rows or seconds <= 0:
             return

@@ -146,7 +146,8 @@ class Batch:
                     s.allocator.update(results[i].runs)
         seconds = time.perf_counter() - t
         accepted = [0] * len(seqs) if results is None else [res.accepted for res in results]
-        self.budget.observe(lengths, accepted, seconds)
+        drafted = lengths if results is None else [min(n, res.longest) for n, res in zip(lengths, results)]
+        self.budget.observe(drafted, accepted, seconds)
         out = []
         for i, (s, d) in enumerate(zip(seqs, decided)):
             tokens = s.emit(d)

@@ -86,19 +86,20 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     for row, p, t, s in zip(rows, proposals, trees, starts):  # accept
         key = None if row.sampling.greedy else row.rng.next()
         acc = accept(p.candidates, t, logits[s : s + t.size], row.sampling, key)
-        n_real = mx.cumprod(p.candidates >= 0, axis=1).sum()
-        outs.append((acc, hidden[s + acc.stop][None], t.tokens[acc.path], n_real))
+        lens = mx.cumprod(p.candidates >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD
+        outs.append((acc, hidden[s + acc.stop][None], t.tokens[acc.path], lens))
     mx.eval([[a.n, a.path, a.next_token, h, d, a.matched, n] for a, h, d, n in outs])
     width = max(a.path.shape[0] for a, *_ in outs)
     paths = mx.stack([mx.pad(a.path, [(0, width - a.path.shape[0])]) for a, *_ in outs])
     counts = [a.n.item() + 1 for a, *_ in outs]
     cache.commit_rows(paths, counts)  # commit
     results = []
-    for (acc, h, drafted, n_real), p, t, c in zip(outs, proposals, trees, counts):
+    for (acc, h, drafted, lens), p, t, c in zip(outs, proposals, trees, counts):
         n = c - 1
         matched = acc.matched.tolist()
         results.append(StepResult(
             tokens=drafted[1 : n + 1].tolist() + acc.next_token.tolist(), g0=acc.next_token.astype(mx.int32), h=h,
-            accepted=n, verified=t.size, candidates=n_real.item(), runs=p.by_source(matched),
+            accepted=n, verified=t.size, candidates=lens.sum().item(), longest=lens.max().item(),
+            runs=p.by_source(matched),
             source=p.owner(matched.index(n)) if n > 0 else "", proposed=p.proposed()))
     return results

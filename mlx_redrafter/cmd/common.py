@@ -13,6 +13,7 @@ from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_BEAM_LENGTH,
     DEFAULT_BEAM_WIDTH,
+    DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFTER_VOCAB,
     DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
@@ -114,6 +115,10 @@ DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
     "drafter_vocab": (int | None, typer.Option(None, "--drafter-vocab", help=(
         "ReDrafter: draft from only the N most frequent tokens of its head (exact either way; 0 = all) "
         f"\\[{DEFAULT_DRAFTER_VOCAB} where the head is frequency-ordered and larger, else all]."))),
+    "draft_confidence": (float | None, typer.Option(None, "--draft-confidence", help=(
+        "ReDrafter at width 1: end a draft where the drafter's probability of it falls below this (its drafts "
+        "are calibrated: that probability is about how often the target accepts them; exact either way; 0 = "
+        f"full length) \\[{DEFAULT_DRAFT_CONFIDENCE}]."))),
     "medusa_tree": (str | None, typer.Option(None, "--medusa-tree", help=(
         "Medusa's static tree: cpu (7 nodes), mc_sim_7b_63, or NAME:N (its first N nodes) \\[cpu]."))),
     "temp": (float | None, typer.Option(None, "--temp", help="Sampling temperature (0 = greedy) \\[0].")),

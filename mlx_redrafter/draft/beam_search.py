@@ -8,6 +8,7 @@ Any recurrent drafter works: an object with `next_state(state, token_emb)`, `log
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -87,31 +88,60 @@ def beam_search(
 def greedy_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
                  first_token: mx.array, length: int) -> mx.array:
     """Beam search with one beam, without the beam bookkeeping: (B, 1, L) int32, column 0 = first_token."""
+    return confident_draft(drafter, embed, context, first_token, length)[0]
+
+
+def confident_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
+                    first_token: mx.array, length: int, min_confidence: float = 0.0
+                    ) -> tuple[mx.array, list[int] | None]:
+    """Greedy drafting (one beam) that stops where the drafter doubts: (B, 1, L') int32 drafts, column 0 =
+    first_token, and each row's length (tokens with first_token, host ints; None without `min_confidence`).
+
+    A row's draft ends before the first token at which the drafter's probability of the whole draft (the product
+    of its tokens' probabilities under the drafter's softmax) falls below `min_confidence`; drafting stops when
+    every row's has ended (L' <= L). That probability predicts how often the target accepts the draft (the
+    drafter is calibrated: see docs/drafters.md), so the cut keeps the tokens worth verifying. Each row's cut
+    depends on its own probabilities only. It reads them on the host once per drafted token; without a threshold
+    (0) nothing is read and the drafts are those of `greedy_draft` (lazy)."""
     context = context_of(drafter, context)
     B, H = context.shape
     tok = first_token.astype(mx.int32)[:, None]  # (B, 1)
     init = getattr(drafter, "initial_state", None)
     state = init(B, 1, context.dtype) if init is not None else mx.zeros((B, 1, H), dtype=context.dtype)
     ctx, out = context[:, None, :], [tok]
+    floor = math.log(min_confidence) if min_confidence > 0 else None
+    logp = mx.zeros((B, 1), dtype=mx.float32)
+    lengths = [1] * B
     for _ in range(length - 1):
         state = drafter.next_state(state, embed(tok))
-        tok = drafter.token_ids(mx.argmax(drafter.logits(ctx, state), axis=-1)).astype(mx.int32)
+        logits = drafter.logits(ctx, state)  # (B, 1, K)
+        tok = drafter.token_ids(mx.argmax(logits, axis=-1)).astype(mx.int32)
+        if floor is not None:
+            logits = logits.astype(mx.float32)
+            logp = logp + (mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+            sure = (logp[:, 0] >= floor).tolist()
+            lengths = [n + 1 if ok and n == len(out) else n for n, ok in zip(lengths, sure)]
+            if max(lengths) == len(out):  # every row has ended
+                break
         out.append(tok)
-    return mx.concatenate(out, axis=-1)[:, None, :]
+    return mx.concatenate(out, axis=-1)[:, None, :], (lengths if floor is not None else None)
 
 
 class BeamSource(Source):
     """Candidates of a recurrent drafter: `width` beams of `length` tokens from the target's hidden state and g0
-    (width 1: greedy drafting). Rows of a batch that share the drafter draft together (`propose_many`)."""
+    (width 1: greedy drafting, cut where the drafter's confidence falls below `min_confidence` if it is > 0,
+    `confident_draft`). Rows of a batch that share the drafter draft together (`propose_many`)."""
 
     name = "beam"
     pads = False
 
-    def __init__(self, drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], key: tuple = ()):
-        """`key`: what besides the drafter and the embedding makes two sources draft differently."""
-        self.drafter, self.embed = drafter, embed
+    def __init__(self, drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], key: tuple = (),
+                 min_confidence: float = 0.0):
+        """`key`: what besides the drafter, the embedding and the threshold makes two sources draft differently."""
+        self.drafter, self.embed, self.min_confidence = drafter, embed, min_confidence
         owner = getattr(embed, "__self__", embed)  # a bound method is a new object at every attribute access
-        self.batch_key = (type(self).__name__, id(owner), getattr(embed, "__name__", ""), *(key or (id(drafter),)))
+        self.batch_key = (type(self).__name__, id(owner), getattr(embed, "__name__", ""), min_confidence,
+                          *(key or (id(drafter),)))
 
     def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
         return self.propose_many([state], length, width)[0]
@@ -120,7 +150,9 @@ class BeamSource(Source):
         h = states[0].h if len(states) == 1 else mx.concatenate([s.h for s in states])
         g0 = states[0].g0 if len(states) == 1 else mx.concatenate([s.g0 for s in states])
         if width == 1:
-            beams = greedy_draft(self.drafter, self.embed, h, g0, length)
+            beams, lengths = confident_draft(self.drafter, self.embed, h, g0, length, self.min_confidence)
+            if lengths is not None:  # each row's draft up to its cut: a chain, packed without a sync
+                return [beams[b, :, :n] for b, n in enumerate(lengths)]
         else:
             beams, _ = beam_search(self.drafter, self.embed, h, g0, width, length)
         return [beams[b] for b in range(len(states))]

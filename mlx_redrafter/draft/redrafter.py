@@ -260,10 +260,12 @@ class RnnSource(BeamSource):
 
     name = "rnn"
 
-    def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array], vocab_rows: int = 0):
-        """`vocab_rows` > 0: draft with only that many of the head's most frequent tokens (`FrequentHead`)."""
+    def __init__(self, drafter: Drafter, embed: Callable[[mx.array], mx.array], vocab_rows: int = 0,
+                 min_confidence: float = 0.0):
+        """`vocab_rows` > 0: draft with only that many of the head's most frequent tokens (`FrequentHead`);
+        `min_confidence` > 0: greedy drafts end where the drafter's confidence falls below it (`BeamSource`)."""
         super().__init__(FrequentHead(drafter, vocab_rows) if vocab_rows else drafter, embed,
-                         key=(id(drafter), vocab_rows))
+                         key=(id(drafter), vocab_rows), min_confidence=min_confidence)
 
 
 def _quantize_linears(drafter: Drafter, bits: int, group_size: int) -> None:

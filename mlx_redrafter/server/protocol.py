@@ -17,8 +17,8 @@ from mlx_redrafter.options import DecodeOptions
 
 # Request fields that select how to decode, by their flat option names (draft modes, shapes, sampling).
 DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup", "lookup_max_length",
-                 "answers_width", "drafter_vocab", "medusa_tree", "temperature", "top_p", "top_k", "min_p", "seed",
-                 "accept", "typical_eps", "typical_delta")
+                 "answers_width", "drafter_vocab", "draft_confidence", "medusa_tree", "temperature", "top_p",
+                 "top_k", "min_p", "seed", "accept", "typical_eps", "typical_delta")
 TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields that take a string
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprobs": None, "logit_bias": None,
