@@ -15,10 +15,11 @@ DEFAULT_DRAFTER_VOCAB = 4096
 # Longest candidate (g0 included) a context-lookup copy grows to while every copied token keeps being accepted
 # (twice as many copied tokens per fully accepted step; bench/results/cpu-avx2/lookup-growth.md).
 DEFAULT_LOOKUP_MAX_LENGTH = 9
-DEFAULT_LOOKUP_INDEX = "ngram"
-# Greedy drafts of the recurrent drafter end where the drafter's probability of the whole draft falls below this
-# (0: every draft has the full length). Placeholder until measured.
-DEFAULT_DRAFT_CONFIDENCE = 0.0  # the context index of lookup drafting (draft.lookup.INDEXES)
+DEFAULT_LOOKUP_INDEX = "ngram"  # the context index of lookup drafting (draft.lookup.INDEXES)
+# Greedy drafts of the recurrent drafter end where the drafter's probability of the whole draft falls below this.
+# Off (0: every draft has the full length): on our CPUs the cut saves little verification and its host reads cost
+# what they save (docs/options.md, bench/results/cpu-avx512/MEASURED.md).
+DEFAULT_DRAFT_CONFIDENCE = 0.0
 
 # Sweep grids: `make bench` (full and --quick) and `redrafter-mlx tune`.
 BENCH_GRID = {"widths": [1, 2, 4], "lengths": [2, 3, 4, 5], "num_prompts": 8, "max_tokens": 128, "repeats": 1}

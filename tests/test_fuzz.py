@@ -57,7 +57,8 @@ def test_random_cases_never_diverge(target, model, chat_ids):
         rows = rng.choice([0, 64, 512]) if shape[1] else 0  # --drafter-vocab: the head cut to its first rows
         grow = rng.choice([0, 0, 9, 17])  # --lookup-max-length: copies grow while fully accepted
         backup = K > 0 and rng.random() < 0.3  # lookup-else-rnn: the drafter only where lookup has nothing
-        rnn = Slot(RnnSource(drafter, model.embed, rows), W, backs_up="lookup" if backup else None)
+        cut = rng.choice([0, 0, 1e-6, 1e-3])  # --draft-confidence (a random head's tokens have p ~ 1e-4)
+        rnn = Slot(RnnSource(drafter, model.embed, rows, cut), W, backs_up="lookup" if backup else None)
         slots = [] if rng.random() < 0.15 and K or backup else [rnn]
         if K:
             slots.append(Slot(LookupSource(index, max_length=grow), K))
@@ -75,8 +76,8 @@ def test_random_cases_never_diverge(target, model, chat_ids):
             ties += problem is None
             if problem is not None:
                 failures += 1
-                print(f"case {case}: seed {seed} shape {shape} rows {rows} backup {backup} W={W} L={L} lookup {K} "
-                      f"{index.__name__} grow {grow} prompt {p_idx}: {problem}")
+                print(f"case {case}: seed {seed} shape {shape} rows {rows} cut {cut} backup {backup} W={W} L={L} "
+                      f"lookup {K} {index.__name__} grow {grow} prompt {p_idx}: {problem}")
         if (case + 1) % 50 == 0:
             print(f"fuzz: {case + 1} cases, {failures} divergences, {ties} proven ties, {time.time() - t0:.0f} s",
                   flush=True)
@@ -104,8 +105,8 @@ def test_random_batches_never_diverge(target, model, chat_ids):
     def allocator():
         slots = []
         if rng.random() < 0.8:
-            slots.append(Slot(RnnSource(drafters[rng.randrange(5 if model.feature_layers else 4)], model.embed),
-                              rng.choice([1, 2, 3])))
+            slots.append(Slot(RnnSource(drafters[rng.randrange(5 if model.feature_layers else 4)], model.embed,
+                                        min_confidence=rng.choice([0, 0, 1e-6])), rng.choice([1, 2, 3])))
         if rng.random() < 0.6:
             slots.append(Slot(LookupSource(rng.choice([NgramIndex, SuffixIndex]), max_length=rng.choice([0, 9])),
                               rng.choice([1, 2])))

@@ -1,11 +1,11 @@
 """The draft layer's contract: what a source of candidates sees, what it returns, and how a step's plan is made.
 
 A source proposes candidates for the next step: an int32 array (n, L') whose column 0 is the token the target
-already decided (g0) and whose other columns are guesses; a candidate that ends early is padded with `PAD`.
-L' is the step's length L, or up to `candidate_length(L)` for a source whose candidates may grow (context
-lookup). `propose` collects the candidates of every slot of a step's plan into one PAD-padded array, in plan
-order, with the rows each source owns; the step packs that array into one tree and verifies it in one target
-call.
+already decided (g0) and whose other columns are guesses; a candidate that ends early is padded with `PAD`. L' is at
+most the step's length L (shorter where a source ends its drafts early, e.g. the drafter where it doubts), or up to
+`candidate_length(L)` for a source whose candidates may grow (context lookup). `propose` collects the candidates of
+every slot of a step's plan into one PAD-padded array, in plan order, with the rows each source owns; the step packs
+that array into one tree and verifies it in one target call.
 
 Candidates must be a deterministic function of the decided tokens and the target's state (`DecodeState`) and
 of what the source was told through `start` / `extend`: exact sampling verifies each candidate against the

@@ -100,7 +100,7 @@ def confident_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.ar
     A row's draft ends before the first token at which the drafter's probability of the whole draft (the product
     of its tokens' probabilities under the drafter's softmax) falls below `min_confidence`; drafting stops when
     every row's has ended (L' <= L). That probability predicts how often the target accepts the draft (the
-    drafter is calibrated: see docs/drafters.md), so the cut keeps the tokens worth verifying. Each row's cut
+    drafter is calibrated: see docs/options.md), so the cut keeps the tokens worth verifying. Each row's cut
     depends on its own probabilities only. It reads them on the host once per drafted token; without a threshold
     (0) nothing is read and the drafts are those of `greedy_draft` (lazy)."""
     context = context_of(drafter, context)
