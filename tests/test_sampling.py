@@ -162,6 +162,19 @@ def test_exact_speculative_sampling_matches_the_target_distribution(setup):
     assert goodness_of_fit(counts, expected) > ALPHA
 
 
+def test_drafts_cut_by_the_drafters_confidence_keep_sampling_exact(setup, lm):
+    model, cache, prompt, _ = setup
+
+    def alloc():  # a chain that ends where the drafter doubts, plus lookup
+        return Allocator([Slot(RnnSource(lm.drafter, model.embed, min_confidence=0.3), 1),
+                          Slot(LookupSource(NgramIndex), 1)])
+
+    s = Sampling(temperature=1.0, top_k=3)
+    expected = exact_distribution(model, cache, prompt[-1], s, 3)
+    counts = draw(model, cache, prompt[-1], prompt[:-1], alloc, s, 240, 3)
+    assert goodness_of_fit(counts, expected) > ALPHA
+
+
 def test_the_statistical_test_rejects_a_biased_rule(setup):
     model, cache, prompt, alloc = setup
     s = Sampling(temperature=1.0, top_k=3, accept=biased_rule)
