@@ -183,6 +183,8 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
      "max_completion_tokens"),
     ({"messages": HI, "beam_width": 100000}, 400, "beam_width must be", "beam_width"),
     ({"messages": HI, "drafter_vocab": -1}, 400, "drafter_vocab must be", "drafter_vocab"),
+    ({"messages": HI, "draft_confidence": 1.5}, 400, "draft_confidence must be", "draft_confidence"),
+    ({"messages": HI, "draft_confidence": "high"}, 400, "draft_confidence must be", "draft_confidence"),
     ({"messages": HI, "draft": "warp"}, 400, "draft must be one of", "draft"),
     ({"messages": HI, "medusa_tree": 5}, 400, "'medusa_tree' must be a string", "medusa_tree"),
     ({"messages": HI, "medusa_tree": [1]}, 400, "'medusa_tree' must be a string", "medusa_tree"),
