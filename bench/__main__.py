@@ -475,6 +475,38 @@ def batch(
     typer.echo((out / f"{stem}.md").read_text())
 
 
+@app.command()
+@c.one_line_errors
+def calibration(
+    device: str = typer.Option(..., help="Label of this machine: results go to bench/results/DEVICE/calibration.*"),
+    num_prompts: int = typer.Option(24, help="MT-bench first turns (spread over the categories)."),
+    max_tokens: int = typer.Option(128, help="Greedy tokens per answer."),
+    length: int = typer.Option(6, help="L: drafts of L - 1 tokens from every answer position."),
+) -> None:
+    """How often the target accepts the drafter's drafts, by the drafter's own probability of them."""
+    import json as _json
+
+    from mlx_redrafter import api as _api
+    from mlx_redrafter.files import write_atomic
+    from mlx_redrafter.prompts import first_turns
+
+    from .calibration import markdown, measure
+
+    if num_prompts < 1 or max_tokens < 2 or not 2 <= length <= 16:
+        raise UserError("--num-prompts >= 1, --max-tokens >= 2, --length 2..16")
+    lm = api_load()
+    if lm.drafter is None or lm.drafter_kind != "rnn":
+        raise UserError("the embedded model has no ReDrafter drafter to calibrate")
+    prompts = [_api.encode_prompt(lm, r["prompt"]) for r in first_turns(None, num_prompts, spread=True)]
+    res = measure(lm, prompts, max_tokens, length, log=lambda m: typer.echo(m, err=True))
+    out = Path(__file__).resolve().parent / "results" / device
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "calibration.json", _json.dumps(res, indent=1) + "\n")
+    text = markdown(res, f"Drafter calibration ({device})")
+    write_atomic(out / "calibration.md", text)
+    typer.echo(text)
+
+
 def api_load():
     """The embedded model (float32) with its shipped drafter."""
     from mlx_redrafter import api as _api

@@ -106,7 +106,8 @@ def test_bad_input_is_one_line_error(tmp_path):
                          (["sweep", "--device", "x", "--temperatures", "hot", "--out-dir", str(tmp_path)],
                           "--temperatures"),
                          (["sweep", "--device", "x", "--drafts", "bogus", "--out-dir", str(tmp_path)], "--drafts"),
-                         (["parity", "--device", "tpu"], "--device")):
+                         (["parity", "--device", "tpu"], "--device"),
+                         (["calibration", "--device", "x", "--length", "1"], "--length")):
         res = CliRunner().invoke(app, args)
         lines = [ln for ln in res.output.splitlines() if ln.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
@@ -149,3 +150,18 @@ def test_the_headline_speedup_is_pooled_over_prompts():
     ar_time, time = 100 / 50 + 900 / 50, 100 / 200 + 900 / 40
     assert abs(s["speedup_vs_ar"] - ar_time / time) < 1e-9 and s["speedup_vs_ar"] < 1
     assert (s["speedup_vs_ar_min"], s["speedup_vs_ar_max"]) == (0.8, 4.0)
+
+
+def test_calibration_bins_every_drafted_position(target):
+    """`python -m bench calibration`'s core on one prompt: every position lands in one bin, acceptance is a share."""
+    from bench.calibration import markdown, measure
+    from mlx_redrafter import api
+
+    lm = api.LoadedModel(target, *api.resolve_drafter("default", target))
+    ids = api.encode_prompt(lm, "Name three colours.")
+    res = measure(lm, [ids], max_tokens=16, length=4, log=None)
+    assert res["positions"] > 0 and len(res["steps"]) == len(res["joint"]) == 3
+    first = res["steps"][0]
+    assert first["positions"] == res["positions"] == sum(b["n"] for b in first["bins"])
+    assert all(0 <= b["accepted"] <= 1 for r in res["steps"] + res["joint"] for b in r["bins"] if b["n"])
+    assert "draft 1" in markdown(res, "t")

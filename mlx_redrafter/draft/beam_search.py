@@ -9,7 +9,7 @@ Any recurrent drafter works: an object with `next_state(state, token_emb)`, `log
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import mlx.core as mx
@@ -85,10 +85,29 @@ def beam_search(
     return beams, token_lp
 
 
+def greedy_steps(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
+                 first_token: mx.array, length: int) -> Iterator[tuple[mx.array, mx.array]]:
+    """Greedy drafting (one beam) a token at a time: for each of the L - 1 drafts, the drafted tokens (B, 1) int32
+    and the log-probability the drafter gave each (B, 1) float32, under its softmax over its head (lazy)."""
+    context = context_of(drafter, context)
+    B, H = context.shape
+    tok = first_token.astype(mx.int32)[:, None]  # (B, 1)
+    init = getattr(drafter, "initial_state", None)
+    state = init(B, 1, context.dtype) if init is not None else mx.zeros((B, 1, H), dtype=context.dtype)
+    ctx = context[:, None, :]
+    for _ in range(length - 1):
+        state = drafter.next_state(state, embed(tok))
+        logits = drafter.logits(ctx, state)  # (B, 1, K)
+        tok = drafter.token_ids(mx.argmax(logits, axis=-1)).astype(mx.int32)
+        logits = logits.astype(mx.float32)
+        yield tok, mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)
+
+
 def greedy_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
                  first_token: mx.array, length: int) -> mx.array:
     """Beam search with one beam, without the beam bookkeeping: (B, 1, L) int32, column 0 = first_token."""
-    return confident_draft(drafter, embed, context, first_token, length)[0]
+    drafts = [tok for tok, _ in greedy_steps(drafter, embed, context, first_token, length)]
+    return mx.concatenate([first_token.astype(mx.int32)[:, None], *drafts], axis=-1)[:, None, :]
 
 
 def confident_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
@@ -100,31 +119,23 @@ def confident_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.ar
     A row's draft ends before the first token at which the drafter's probability of the whole draft (the product
     of its tokens' probabilities under the drafter's softmax) falls below `min_confidence`; drafting stops when
     every row's has ended (L' <= L). That probability predicts how often the target accepts the draft (the
-    drafter is calibrated: see docs/options.md), so the cut keeps the tokens worth verifying. Each row's cut
-    depends on its own probabilities only. It reads them on the host once per drafted token; without a threshold
-    (0) nothing is read and the drafts are those of `greedy_draft` (lazy)."""
-    context = context_of(drafter, context)
-    B, H = context.shape
-    tok = first_token.astype(mx.int32)[:, None]  # (B, 1)
-    init = getattr(drafter, "initial_state", None)
-    state = init(B, 1, context.dtype) if init is not None else mx.zeros((B, 1, H), dtype=context.dtype)
-    ctx, out = context[:, None, :], [tok]
-    floor = math.log(min_confidence) if min_confidence > 0 else None
-    logp = mx.zeros((B, 1), dtype=mx.float32)
-    lengths = [1] * B
-    for _ in range(length - 1):
-        state = drafter.next_state(state, embed(tok))
-        logits = drafter.logits(ctx, state)  # (B, 1, K)
-        tok = drafter.token_ids(mx.argmax(logits, axis=-1)).astype(mx.int32)
-        if floor is not None:
-            logits = logits.astype(mx.float32)
-            logp = logp + (mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
-            sure = (logp[:, 0] >= floor).tolist()
-            lengths = [n + 1 if ok and n == len(out) else n for n, ok in zip(lengths, sure)]
-            if max(lengths) == len(out):  # every row has ended
-                break
+    drafter is calibrated: see docs/options.md, `python -m bench calibration`), so the cut keeps the tokens worth
+    verifying. Each row's cut depends on its own probabilities only. It reads them on the host once per drafted
+    token; without a threshold (0) nothing is read and the drafts are those of `greedy_draft` (lazy)."""
+    if min_confidence <= 0:
+        return greedy_draft(drafter, embed, context, first_token, length), None
+    floor = math.log(min_confidence)
+    out = [first_token.astype(mx.int32)[:, None]]
+    logp = mx.zeros((context.shape[0], 1), dtype=mx.float32)
+    lengths = [1] * context.shape[0]
+    for tok, lp in greedy_steps(drafter, embed, context, first_token, length):
+        logp = logp + lp
+        sure = (logp[:, 0] >= floor).tolist()
+        lengths = [n + 1 if ok and n == len(out) else n for n, ok in zip(lengths, sure)]
+        if max(lengths) == len(out):  # every row has ended
+            break
         out.append(tok)
-    return mx.concatenate(out, axis=-1)[:, None, :], (lengths if floor is not None else None)
+    return mx.concatenate(out, axis=-1)[:, None, :], lengths
 
 
 class BeamSource(Source):
