@@ -16,9 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter import api
-from mlx_redrafter.draft.beam_search import greedy_steps
-from mlx_redrafter.draft.redrafter import FrequentHead
+from mlx_redrafter.draft.beam_search import greedy_steps, top_log_probability
+from mlx_redrafter.draft.redrafter import RnnSource
 from mlx_redrafter.generate import collect, generate_ar
+from mlx_redrafter.model import forward_chunked
 from mlx_redrafter.sources import vocab_rows
 
 BINS = np.linspace(0.0, 1.0, 11)
@@ -29,13 +30,13 @@ def _drafts(lm: api.LoadedModel, head, ids: list[int], answer: list[int], length
     their g0."""
     model = lm.target.model
     seq = ids + answer
-    _, hidden = model(mx.array([seq]), model.make_cache(len(seq) + 1))
+    _, hidden = forward_chunked(model, model.make_cache(len(seq)), mx.array([seq]), all_hidden=True)
     start, stop = len(ids) - 1, len(seq) - length  # g0 = seq[p + 1]; its drafts are checked against seq[p + 2 ...]
     if stop <= start:
         return np.zeros((0, length - 1), bool), np.zeros((0, length - 1))
     steps = list(greedy_steps(head, model.embed, hidden[0, start:stop], mx.array(seq[start + 1 : stop + 1]), length))
     toks = np.array(mx.concatenate([t for t, _ in steps], axis=1))
-    probs = np.exp(np.array(mx.concatenate([lp for _, lp in steps], axis=1)))
+    probs = np.exp(np.array(mx.concatenate([top_log_probability(lg) for _, lg in steps], axis=1)))
     truth = np.stack([np.array(seq[p + 2 : p + length + 1]) for p in range(start, stop)])
     return toks == truth, probs
 
@@ -50,7 +51,7 @@ def _binned(ok: np.ndarray, p: np.ndarray) -> list[dict[str, Any]]:
 def measure(lm: api.LoadedModel, prompts: list[list[int]], max_tokens: int, length: int, log=print) -> dict:
     """The calibration of `lm`'s drafter on `prompts` (chat-formatted ids), drafts of L - 1 = `length` - 1 tokens."""
     rows = vocab_rows(lm.drafter, api.decode_options())
-    head = FrequentHead(lm.drafter, rows) if rows else lm.drafter
+    head = RnnSource(lm.drafter, lm.target.model.embed, rows).drafter  # the head decoding drafts with
     oks, ps = [], []
     for i, ids in enumerate(prompts):
         answer, _ = collect(generate_ar(lm.target.model, ids, max_tokens=max_tokens, eos_ids=lm.tokenizer.eos_ids))

@@ -87,11 +87,12 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     cache.commit(acc.path, n + 1)  # commit (a copy only if the path is not in place; lazy)
     clock.lap("commit", *cache.state())
     tokens = drafted[1 : n + 1].tolist() + acc.next_token.tolist()
+    sizes = lens.tolist()
     matched = acc.matched.tolist()
     runs = proposal.by_source(matched)
     source = proposal.owner(matched.index(n)) if n > 0 else ""
     return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
-                      candidates=lens.sum().item(), longest=lens.max().item(), runs=runs, source=source,
+                      candidates=sum(sizes), longest=max(sizes), runs=runs, source=source,
                       proposed=proposal.proposed(), seconds=clock.seconds)
 
 

@@ -96,10 +96,10 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     results = []
     for (acc, h, drafted, lens), p, t, c in zip(outs, proposals, trees, counts):
         n = c - 1
-        matched = acc.matched.tolist()
+        matched, sizes = acc.matched.tolist(), lens.tolist()
         results.append(StepResult(
             tokens=drafted[1 : n + 1].tolist() + acc.next_token.tolist(), g0=acc.next_token.astype(mx.int32), h=h,
-            accepted=n, verified=t.size, candidates=lens.sum().item(), longest=lens.max().item(),
+            accepted=n, verified=t.size, candidates=sum(sizes), longest=max(sizes),
             runs=p.by_source(matched),
             source=p.owner(matched.index(n)) if n > 0 else "", proposed=p.proposed()))
     return results

@@ -88,7 +88,8 @@ def beam_search(
 def greedy_steps(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
                  first_token: mx.array, length: int) -> Iterator[tuple[mx.array, mx.array]]:
     """Greedy drafting (one beam) a token at a time: for each of the L - 1 drafts, the drafted tokens (B, 1) int32
-    and the log-probability the drafter gave each (B, 1) float32, under its softmax over its head (lazy)."""
+    and the drafter's logits they are the argmax of (B, 1, K) (lazy; `top_log_probability` turns them into the
+    drafter's log-probability of its token)."""
     context = context_of(drafter, context)
     B, H = context.shape
     tok = first_token.astype(mx.int32)[:, None]  # (B, 1)
@@ -99,8 +100,13 @@ def greedy_steps(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array
         state = drafter.next_state(state, embed(tok))
         logits = drafter.logits(ctx, state)  # (B, 1, K)
         tok = drafter.token_ids(mx.argmax(logits, axis=-1)).astype(mx.int32)
-        logits = logits.astype(mx.float32)
-        yield tok, mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)
+        yield tok, logits
+
+
+def top_log_probability(logits: mx.array) -> mx.array:
+    """(..., K) -> (...): the log-probability of the argmax under the softmax over the last axis (float32)."""
+    logits = logits.astype(mx.float32)
+    return mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)
 
 
 def greedy_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.array], context: mx.array,
@@ -128,12 +134,12 @@ def confident_draft(drafter: RecurrentDrafter, embed: Callable[[mx.array], mx.ar
     out = [first_token.astype(mx.int32)[:, None]]
     logp = mx.zeros((context.shape[0], 1), dtype=mx.float32)
     lengths = [1] * context.shape[0]
-    for tok, lp in greedy_steps(drafter, embed, context, first_token, length):
-        logp = logp + lp
+    for tok, logits in greedy_steps(drafter, embed, context, first_token, length):
+        logp = logp + top_log_probability(logits)  # only falls: a row above the floor has been above it all along
         sure = (logp[:, 0] >= floor).tolist()
-        lengths = [n + 1 if ok and n == len(out) else n for n, ok in zip(lengths, sure)]
-        if max(lengths) == len(out):  # every row has ended
+        if not any(sure):  # every row has ended
             break
+        lengths = [n + ok for n, ok in zip(lengths, sure)]
         out.append(tok)
     return mx.concatenate(out, axis=-1)[:, None, :], lengths
 
