@@ -79,7 +79,7 @@ def calibrate(model: Any, base: Any, prompt: list[int], ar: list[int], positions
     b = _rows_in_blocks(model, base.copy(), fed, BLOCK)
     full = prompt + ar[: positions - 1]
     _, hidden = model(mx.array([full]), model.make_cache(len(full)), last_only=True)
-    c = model.logits(hidden[:, -len(fed):])[0].astype(mx.float32)
+    c = model.logits(model.last_state(hidden)[:, -len(fed):])[0].astype(mx.float32)
     mx.eval(a, b, c)
     recs = []
     for i in range(len(fed)):
@@ -239,7 +239,7 @@ def calibrate_vs_float32(dtype: str, num_prompts: int, positions: int, out_dir: 
         rows = []
         for m in (model, ref):
             _, hidden = m(mx.array([seq]), m.make_cache(len(seq)), last_only=True)
-            rows.append(m.logits(hidden[:, -n:])[0].astype(mx.float32))
+            rows.append(m.logits(m.last_state(hidden)[:, -n:])[0].astype(mx.float32))
         lo, r32 = rows
         mx.eval(lo, r32)
         for i in range(n):

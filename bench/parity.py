@@ -68,7 +68,7 @@ def target_parity(mlx_model: Any, hf: Any, ids: list[int], device: str) -> dict[
     from bench.torch_ref.target import forward
 
     logits, hidden = mlx_model(mx.array([ids]), mlx_model.make_cache(len(ids)))
-    t_logits, t_hidden = forward(hf, torch.tensor([ids], device=device))
+    t_logits, t_hidden = forward(hf, torch.tensor([ids], device=device), feature_layers=mlx_model.feature_layers)
     a, b = to_np(logits[0]), to_np(t_logits[0])
     return {"prefill_logits_max_abs": max_abs(a, b), "prefill_hidden_max_abs": max_abs(hidden[0], t_hidden[0]),
             "prefill_argmax_match": float(np.mean(a.argmax(-1) == b.argmax(-1))), "prompt_tokens": len(ids)}
@@ -111,11 +111,12 @@ def drafter_tree_parity(mlx_model: Any, hf: Any, drafter: Any, t_drafter: Any, i
     positions = (cache.offset + tree.depth)[None]
     v_logits, v_hidden = mlx_model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))
     t_cache = ttarget.new_cache(hf)
-    ttarget.forward(hf, torch.tensor([ids], device=device), t_cache)
+    taps = mlx_model.feature_layers  # the layers the drafter reads besides the last (none for most drafters)
+    ttarget.forward(hf, torch.tensor([ids], device=device), t_cache, feature_layers=taps)
     ctx = len(ids)
     allowed = torch.cat([torch.ones(t_tree.size, ctx, dtype=torch.bool), t_tree.mask], dim=1)
     tv_logits, tv_hidden = ttarget.forward(hf, t_tree.tokens[None].to(device), t_cache,
-                                           (ctx + t_tree.depth)[None].to(device), allowed.to(device))
+                                           (ctx + t_tree.depth)[None].to(device), allowed.to(device), taps)
     out["tree_logits_max_abs"] = max_abs(v_logits[0], tv_logits[0])
     out["tree_hidden_max_abs"] = max_abs(v_hidden[0], tv_hidden[0])
     out["tree_argmax_match"] = float(np.mean(to_np(v_logits[0]).argmax(-1) == to_np(tv_logits[0]).argmax(-1)))

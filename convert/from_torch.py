@@ -5,7 +5,9 @@
 PATH is a `model.safetensors`, a torch state dict (`pytorch_model.bin` / `model.pt`, read with
 `torch.load(weights_only=True)`, so no pickled code ever runs), or a directory holding one of them and
 usually `config.json`. Key spellings seen in the wild are accepted (`input_projs`, `lm_heads.{i}`, `0.{i}`,
-ResBlocks with or without the `.linear` level). A missing config is inferred from the tensor shapes.
+ResBlocks with or without the `.linear` level). A missing config is inferred from the tensor shapes. This project's
+extensions are read too: a `draft_vocab` head and, with `feature_layers` in config.json, the `fuse` projection of a
+drafter that reads several target layers (what `bench/torch_ref/cuda_job.py` trains).
 The output is a drafter directory (config.json + model.safetensors) for `mlx_redrafter.draft.redrafter.load_drafter`,
 written atomically. `--quantize` stores every linear quantized (mlx-lm style, see `quantize_drafter`).
 Medusa heads in the FasterDecoding/Medusa layout (`medusa_lm_head.safetensors` / `.pt`, config.json with
@@ -66,7 +68,7 @@ class Checkpoint:
 _RULES = [
     (re.compile(r"^input_projs?(?:\.0)?\.(weight|bias)$"), r"input_proj.\1"),
     (re.compile(r"^(?:lm_heads?|0)\.(\d+)\.(?:linear\.)?(weight|bias)$"), r"lm_head.\1.\2"),  # .linear re-added later
-    (re.compile(r"^(rnn_u\.(?:weight|bias)|rnn_w\.weight|emb_norm\.weight|draft_vocab)$"), r"\1"),
+    (re.compile(r"^(rnn_u\.(?:weight|bias)|rnn_w\.weight|emb_norm\.weight|draft_vocab|fuse\.weight)$"), r"\1"),
 ]
 
 
@@ -84,7 +86,7 @@ def canonical_keys(tensors: dict[str, mx.array], file: Path) -> tuple[dict[str, 
                 break
         else:
             raise UserError(f"unknown key {key!r} in {file} (a ReDrafter drafter has input_proj, lm_head.{{i}}, "
-                            f"rnn_u, rnn_w, emb_norm)")
+                            f"rnn_u, rnn_w, emb_norm, and in this project's extensions draft_vocab and fuse)")
         if new in staged:
             raise UserError(f"{file} has two tensors for {new!r}: {staged[new][0]!r} and {key!r}")
         staged[new] = (key, value)
@@ -162,6 +164,9 @@ def infer_args(ckpt: Checkpoint, target_vocab: int | None = None) -> tuple[Draft
             inferred.append(key)
     if "vocab_size" not in cfg:
         raise UserError(f"{f} has a draft_vocab head: give config.json with vocab_size, or --model to take it from")
+    if "fuse.weight" in t and not cfg.get("feature_layers"):
+        raise UserError(f"{f} has fuse.weight (its context fuses target layers besides the last) but no config.json "
+                        f"naming them: give the config.json with its feature_layers beside the weights")
     cfg["model_type"] = MODEL_TYPE
     where = (f"checkpoint config {f.parent / 'config.json'}" if ckpt.config is not None
              else f"the config inferred from {f}")

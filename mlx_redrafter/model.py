@@ -398,6 +398,13 @@ class LlamaModel(nn.Module):
 TAP_EPS = 1e-5  # a tapped layer's output is divided by its RMS (this epsilon, no weight) before a drafter fuses it
 
 
+def post_norm_state(hidden: mx.array, hidden_size: int) -> mx.array:
+    """The post-norm states (..., H) within a forward's `hidden`, without the tapped layers that follow them where
+    the model's `feature_layers` names some: what the vocabulary projection and a drafter that reads the last layer
+    alone take."""
+    return hidden if hidden.shape[-1] == hidden_size else hidden[..., :hidden_size]
+
+
 class Model(nn.Module):
     """Llama causal LM: `model(tokens, cache, positions, mask) -> (logits, hidden)`.
 
@@ -457,6 +464,10 @@ class Model(nn.Module):
             return mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits).astype(
                 self.dtype)
         return layer.weight
+
+    def last_state(self, hidden: mx.array) -> mx.array:
+        """The post-norm states within this model's `hidden` (`post_norm_state`)."""
+        return post_norm_state(hidden, self.args.hidden_size)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits from post-norm hidden states."""

@@ -323,3 +323,28 @@ def test_help_runs_as_a_module():
     for module in ("convert.from_torch", "convert.to_torch"):
         r = run_cli(module, "--help")
         assert r.returncode == 0 and "--out" in r.stdout and "--force" in r.stdout, r.stderr
+
+
+def test_a_drafter_that_fuses_target_layers_imports_with_its_config(tmp_path, capsys):
+    """What the CUDA job trains (Apple's names plus `fuse.weight`, `feature_layers` in config.json) imports as the
+    same drafter; without a config naming the layers it is a one-line error, not a guess."""
+    from mlx.utils import tree_flatten
+    from safetensors.numpy import save_file
+
+    d = random_drafter(H, 4096, seed=6, exit_dim=128, feature_layers=[2, 15, 24])
+    flat = {k: np.array(v) for k, v in tree_flatten(d.parameters())}
+    assert flat["fuse.weight"].shape == (H, 4 * H)
+    (tmp_path / "job").mkdir()
+    save_file(flat, str(tmp_path / "job" / "model.safetensors"))
+    (tmp_path / "job" / "config.json").write_text(json.dumps(d.args.to_dict()))
+    rc, _, err = convert(capsys, tmp_path / "job", "--out", tmp_path / "back")
+    assert rc == 0, err
+    back = load_drafter(tmp_path / "back")
+    assert back.args.feature_layers == [2, 15, 24]
+    b = dict(tree_flatten(back.parameters()))
+    assert sorted(b) == sorted(flat) and all(np.array_equal(np.array(b[k]), flat[k]) for k in flat)
+    (tmp_path / "job" / "config.json").unlink()
+    rc, _, err = convert(capsys, tmp_path / "job" / "model.safetensors", "--out", tmp_path / "guess",
+                         "--model", "smollm2-135m")
+    assert_one_line_error(rc, err, tmp_path / "guess")
+    assert "fuse.weight" in err and "feature_layers" in err

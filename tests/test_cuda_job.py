@@ -39,15 +39,22 @@ def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
     prompts = [chat_ids[1], chat_ids[2]]
     answers, _ = generate_greedy(target.model, prompts, 10, target.tokenizer.eos_ids)
     seqs = [(np.array(p + a), len(p)) for p, a in zip(prompts, answers)]
-    f = Features(hf, seqs, "cpu")
+    layers = (2, 15, 24)
+    f = Features(hf, seqs, "cpu", taps=layers)
     assert len(f) == sum(len(a) for a in answers) and f.top_ids.shape == (len(f), TOP_K)
-    row = 0
-    for s, P in seqs:
-        logits, hidden = target.model(mx.array(s[None]), target.model.make_cache(len(s)))
-        ctx = slice(P - 1, len(s) - 1)
-        assert (f.top_ids[row:row + len(s) - P, 0].numpy() == np.array(logits[0, ctx].argmax(-1))).all()
-        assert np.allclose(f.hidden[row:row + len(s) - P].float().numpy(), np.array(hidden[0, ctx]), atol=2e-2)
-        row += len(s) - P
+    H, row, kept = target.model.args.hidden_size, 0, target.model.feature_layers
+    target.model.feature_layers = layers  # the runtime's features: the last state, then each layer over its RMS
+    try:
+        for s, P in seqs:
+            logits, hidden = target.model(mx.array(s[None]), target.model.make_cache(len(s)))
+            ctx, rows = slice(P - 1, len(s) - 1), slice(row, row + len(s) - P)
+            assert (f.top_ids[rows, 0].numpy() == np.array(logits[0, ctx].argmax(-1))).all()
+            assert np.allclose(f.hidden[rows].float().numpy(), np.array(hidden[0, ctx, :H]), atol=2e-2)
+            taps = f.tap_hidden[rows].float().numpy().reshape(len(s) - P, -1)
+            assert np.allclose(taps, np.array(hidden[0, ctx, H:]), atol=2e-2)
+            row += len(s) - P
+    finally:
+        target.model.feature_layers = kept
 
 
 def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):

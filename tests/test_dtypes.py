@@ -4,13 +4,18 @@
 These dtypes are slow on MLX's CPU backend (no BLAS: float16 ~10x, quantized with its float16 activations ~40x
 slower than float32; the 49152 x 576 head alone costs ~1 s per token row when quantized). So the tests run the
 real SmolLM2-135M weights cut to their first layers (`agreement.load_first_layers`: the loader's own path for
-each dtype, the final norm and the full tied head kept): 4 layers in float16 / bfloat16, 1 layer and a short
-raw-text prompt in quantized, and few tokens. The full model (10 MT-bench prompts x 64 tokens per dtype, and the
+each dtype, the final norm and the full tied head kept): 4 layers in float16 / bfloat16, 3 layers and a short
+raw-text prompt in quantized, and few tokens. The shipped drafter reads target layers 2, 15 and 24 besides the
+last; on a cut target it reads the cut's last three layers instead (`shipped_for`: same weights, and exactness does
+not depend on which layers a drafter reads). The full model (10 MT-bench prompts x 64 tokens per dtype, and the
 calibration of the tie bound) is the offline report `python -m bench dtype-agreement`
 (bench/results/cpu/dtype-agreement/).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -20,7 +25,7 @@ from mlx_redrafter import api
 from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats, collect
 
-LAYERS = {"float16": 4, "bfloat16": 4, "quantized": 1}
+LAYERS = {"float16": 4, "bfloat16": 4, "quantized": 3}
 CHAT_PROMPT = "Name three colors, one per line."
 RAW_PROMPT = "One, two, three, four,"  # quantized: few prompt rows
 # mlx-lm vs ours on quantized weights: max |difference| within this many float16 unit roundoffs x max |value|.
@@ -40,18 +45,34 @@ RUNS = {
 CASES = [(dt, *run) for dt, runs in RUNS.items() for run in runs]
 
 
+def shipped_for(target, tmp: Path) -> Path:
+    """The shipped drafter's folder, or, where it reads target layers a cut target lacks, a copy of it (same
+    weights) that reads the cut's last layers instead."""
+    src = api.shipped_drafter_path(target.name)
+    assert src is not None, "the shipped drafter of the default model is missing"
+    cfg = json.loads((src / "config.json").read_text())
+    n, layers = target.model.args.num_hidden_layers, cfg.get("feature_layers") or []
+    if not layers or max(layers) < n:
+        return src
+    dst = tmp / f"shipped-reading-{n}-layers"
+    if not dst.exists():
+        dst.mkdir(parents=True)
+        (dst / "config.json").write_text(json.dumps({**cfg, "feature_layers": list(range(n - len(layers), n))}))
+        (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    return dst
+
+
 @pytest.fixture(scope="module")
-def setups() -> dict:
+def setups(tmp_path_factory) -> dict:
     """Per dtype, loaded on first use: the cut target, its drafters, the prompt ids and AR outputs by length."""
-    return {}
+    return {"tmp": tmp_path_factory.mktemp("drafters")}
 
 
 def setup(setups: dict, dtype: str) -> dict:
     if dtype not in setups:
         target = load_first_layers(None, LAYERS[dtype], dtype)
         tok, model = target.tokenizer, target.model
-        shipped, _ = api.resolve_drafter("default", target)
-        assert shipped is not None, "the shipped drafter of the default model is missing"
+        shipped, _ = api.resolve_drafter(str(shipped_for(target, setups["tmp"])), target)
         a = model.args
         setups[dtype] = {
             "target": target, "ar": {},
@@ -107,6 +128,7 @@ def test_quantized_matches_mlx_lm(setups):
     assert any(type(m).__name__ == "QuantizedLinear" for _, m in ref.named_modules())
     ids = mx.array([s["ids"]])
     logits, hidden = model(ids, model.make_cache(len(s["ids"])), last_only=True)
+    hidden = model.last_state(hidden)  # without the layers the paired drafter reads besides the last
     ref_hidden = ref.model(ids)  # mlx-lm's LlamaModel: post-norm hidden states
     ref_logits = ref.model.embed_tokens.as_linear(ref_hidden[:, -1:])  # the head on the last position only
     u = EPSILON["float16"]
@@ -123,8 +145,8 @@ def test_quantized_drafter_is_dequantized_for_a_float32_cpu_target(tmp_path, cap
     BLAS there), with one stderr notice; the weights are exactly the dequantized ones."""
     from mlx_redrafter.draft.redrafter import load_drafter, quantize_drafter, save_drafter
 
-    target = load_first_layers(None, 1, "float32")
-    path = save_drafter(quantize_drafter(load_drafter(api.shipped_drafter_path(target.name)), 4, 64), tmp_path / "q4")
+    target = load_first_layers(None, 3, "float32")
+    path = save_drafter(quantize_drafter(load_drafter(shipped_for(target, tmp_path)), 4, 64), tmp_path / "q4")
     kept = load_drafter(path)
     assert kept.args.quantization == {"bits": 4, "group_size": 64}
     caplog.set_level("WARNING", logger="mlx_redrafter")

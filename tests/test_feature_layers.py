@@ -38,11 +38,12 @@ def embed(ids: mx.array) -> mx.array:
 @pytest.fixture()
 def tapped(target):
     """The session's target with its forward providing LAYERS, restored afterwards."""
+    kept = target.model.feature_layers
     target.model.feature_layers = tuple(LAYERS)
     try:
         yield target
     finally:
-        target.model.feature_layers = ()
+        target.model.feature_layers = kept
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +53,14 @@ def fused():
 
 def test_the_targets_features_are_the_last_state_then_each_tapped_layer_over_its_rms(target, chat_ids):
     tokens = mx.array([chat_ids[0][:40]])
-    cache = target.model.make_cache(64)
-    logits, plain = target.model(tokens, cache)
-    target.model.feature_layers = tuple(LAYERS)
+    kept = target.model.feature_layers  # the session's target may be paired with a drafter that fuses layers
     try:
-        cache = target.model.make_cache(64)
-        logits2, wide = target.model(tokens, cache)
-    finally:
         target.model.feature_layers = ()
+        logits, plain = target.model(tokens, target.model.make_cache(64))
+        target.model.feature_layers = tuple(LAYERS)
+        logits2, wide = target.model(tokens, target.model.make_cache(64))
+    finally:
+        target.model.feature_layers = kept
     H = target.model.args.hidden_size
     assert wide.shape == (1, 40, H * (1 + len(LAYERS)))
     assert mx.array_equal(wide[..., :H], plain) and mx.array_equal(logits2, logits)
@@ -68,16 +69,18 @@ def test_the_targets_features_are_the_last_state_then_each_tapped_layer_over_its
     try:
         import torch
 
-        from bench.torch_ref.target import load_hf_target
+        from bench.torch_ref.target import forward, load_hf_target
     except ImportError:
         return
     hf = load_hf_target(None, device="cpu")
-    with torch.no_grad():
+    with torch.no_grad():  # transformers' own hidden states, normalized here in float64
         states = hf.model(input_ids=torch.tensor(np.array(tokens)), output_hidden_states=True).hidden_states
     for j, layer in enumerate(LAYERS):
         x = states[layer + 1].double()
         ref = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + TAP_EPS)).numpy()
         assert np.abs(taps[:, :, j] - ref).max() < 2e-3
+    _, ref_wide = forward(hf, torch.tensor(np.array(tokens)), feature_layers=tuple(LAYERS))  # the PyTorch reference
+    assert ref_wide.shape == wide.shape and np.abs(ref_wide.numpy() - np.array(wide)).max() < 2e-3
 
 
 def test_a_fused_drafter_decodes_exactly_alone_and_batched(tapped, chat_ids, fused):

@@ -409,6 +409,8 @@ class Features:
                  taps: tuple[int, ...] = ()):
         import torch
 
+        from bench.torch_ref.target import layer_outputs, rms_normalized
+
         lens = [len(s) for s, _ in seqs]
         starts = np.cumsum([0] + lens)
         self.tokens = torch.tensor(np.concatenate([s for s, _ in seqs]), device=device)
@@ -423,15 +425,7 @@ class Features:
         self.seq_end = torch.empty(C, dtype=torch.long, device=device)
         self.taps = taps
         self.tap_hidden = torch.empty((C, len(taps), H), dtype=torch.float16, device=device) if taps else None
-        caught: dict[int, Any] = {}
-
-        def hook(i: int) -> Any:
-            def keep(_module: Any, _args: Any, output: Any) -> None:
-                caught[i] = output[0] if isinstance(output, tuple) else output
-            return keep
-
-        handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in taps]
-        with torch.no_grad():
+        with torch.no_grad(), layer_outputs(model, taps) as caught:
             for part in _batches(lens, 512, max_tokens):
                 n = max(lens[i] for i in part)
                 ids = torch.full((len(part), n), 0, dtype=torch.long, device=device)
@@ -454,8 +448,6 @@ class Features:
                     self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
                                                          device=device)
                     self.seq_end[c0:c1] = int(starts[i + 1])
-        for handle in handles:
-            handle.remove()
         self.sequences = len(seqs)
         self.response_tokens = int(sum(ctx_counts))
 
@@ -479,15 +471,6 @@ class Features:
         taps = self.tap_hidden[idx].float() if self.taps else None
         return {"h": self.hidden[idx].float(), "taps": taps, "x": x, "target": head.clamp(min=0), "weight": w.float(),
                 "valid": valid.float(), "soft_index": k_head.clamp(min=0), "soft_prob": p}
-
-
-def rms_normalized(x: Any, eps: float = 1e-5) -> Any:
-    """x / RMS(x) over the last axis, in float32 (a tapped layer's output, before it is fused); `eps` is the
-    runtime's `model.TAP_EPS` (this side of the job imports no MLX)."""
-    import torch
-
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def context_of(drafter: Any, b: dict[str, Any], taps: tuple[int, ...]) -> Any:

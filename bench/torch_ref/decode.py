@@ -53,7 +53,8 @@ def greedy_redrafter(model: Any, drafter: TorchDrafter, prompt: list[int], max_t
     """Greedy ReDrafter: draft W beams, pack, verify with a tree mask, accept the longest match, commit its KV."""
     stats = RefStats()
     cache = new_cache(model)
-    logits, hidden = forward(model, torch.tensor([prompt], device=device), cache)
+    taps = tuple(drafter.cfg.get("feature_layers") or ())  # the target layers the drafter reads besides the last
+    logits, hidden = forward(model, torch.tensor([prompt], device=device), cache, feature_layers=taps)
     g0, h = int(logits[0, -1].argmax()), hidden[:, -1]
     out: list[int] = []
     eos = set(eos_ids)
@@ -65,7 +66,7 @@ def greedy_redrafter(model: Any, drafter: TorchDrafter, prompt: list[int], max_t
         tree = pack(beams[0])
         ctx = cache_len(cache)
         allowed = torch.cat([torch.ones(tree.size, ctx, dtype=torch.bool, device=device), tree.mask], dim=1)
-        logits, hidden = forward(model, tree.tokens[None], cache, (ctx + tree.depth)[None], allowed)
+        logits, hidden = forward(model, tree.tokens[None], cache, (ctx + tree.depth)[None], allowed, taps)
         target_next = logits[0].argmax(-1)[tree.unpacker].tolist()  # (W, L)
         b = beams[0].tolist()
         best, n = 0, -1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +68,42 @@ def commit_path(cache: Any, context_len: int, path: list[int]) -> None:
             cache._seen_tokens = context_len + len(path)
 
 
+TAP_EPS = 1e-5  # the runtime's model.TAP_EPS (this module imports no MLX)
+
+
+def rms_normalized(x: torch.Tensor, eps: float = TAP_EPS) -> torch.Tensor:
+    """x / RMS(x) over the last axis, in float32: a tapped layer's output, as a drafter that fuses layers reads it
+    (the runtime's `Model` does the same with `mx.fast.rms_norm` and no weight)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@contextmanager
+def layer_outputs(model: Any, layers: tuple[int, ...]) -> Iterator[dict[int, torch.Tensor]]:
+    """The outputs of the named decoder layers of every forward run inside the block, by layer index (the last
+    forward's)."""
+    caught: dict[int, torch.Tensor] = {}
+
+    def hook(i: int) -> Any:
+        def keep(_module: Any, _args: Any, output: Any) -> None:
+            caught[i] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in layers]
+    try:
+        yield caught
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def forward(model: Any, tokens: torch.Tensor, cache: Any = None, positions: torch.Tensor | None = None,
-            allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, post-norm hidden) for tokens (1, N); `allowed` (N, ctx + N) bool = which keys each token sees.
+            allowed: torch.Tensor | None = None,
+            feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, features) for tokens (1, N); `allowed` (N, ctx + N) bool = which keys each token sees. The features
+    are the post-norm hidden state, followed by each of `feature_layers`' outputs over its RMS, as the runtime's
+    `Model` returns them once a drafter that fuses layers is paired with it.
 
     Without `allowed` transformers builds its own causal mask.
     """
@@ -78,7 +112,9 @@ def forward(model: Any, tokens: torch.Tensor, cache: Any = None, positions: torc
         dtype = model.model.embed_tokens.weight.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
         mask = mask.masked_fill(~allowed.to(tokens.device), torch.finfo(dtype).min)[None, None]
-    out = model.model(input_ids=tokens, past_key_values=cache, position_ids=positions, attention_mask=mask,
-                      use_cache=cache is not None)
+    with layer_outputs(model, tuple(feature_layers)) as caught:
+        out = model.model(input_ids=tokens, past_key_values=cache, position_ids=positions, attention_mask=mask,
+                          use_cache=cache is not None)
     hidden = out.last_hidden_state  # after the final RMSNorm
-    return model.lm_head(hidden), hidden
+    taps = [rms_normalized(caught[i]).to(hidden.dtype) for i in feature_layers]
+    return model.lm_head(hidden), torch.cat([hidden, *taps], dim=-1) if taps else hidden

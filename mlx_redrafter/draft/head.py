@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from mlx_redrafter.draft.redrafter import cast_floats, check_draft_vocab_size, load_weights_into, read_checkpoint
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.model import post_norm_state
 from mlx_redrafter.schema import MAX_VOCAB, MAX_WIDTH, Field, check_fields, check_object
 
 
@@ -74,6 +75,11 @@ class HeadDrafter(nn.Module):
         self.args = args
         if args.draft_vocab_size:
             self.draft_vocab = mx.arange(args.draft_vocab_size, dtype=mx.int32)
+
+    def context(self, hidden: mx.array) -> mx.array:
+        """What the heads condition on, from the target's features: the post-norm state (these drafters read the
+        last layer alone, whatever layers a target paired with another drafter returns beside it)."""
+        return post_norm_state(hidden, self.args.hidden_size)
 
     def token_ids(self, head_index: mx.array) -> mx.array:
         """Map head output indices to target token ids (identity for a full-vocab head)."""

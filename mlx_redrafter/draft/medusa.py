@@ -137,7 +137,7 @@ class MedusaSource(Source):
         plan = self._plan(length, width)
         if plan.n == 0:
             return None
-        logits = self.heads.logits(state.h[0], plan.levels)  # (levels, K)
+        logits = self.heads.logits(self.heads.context(state.h[0]), plan.levels)  # (levels, K)
         tokens = self.heads.token_ids(top_tokens(logits, plan.top)).astype(mx.int32)  # (levels, top), best first
         body = mx.where(plan.valid, tokens[plan.heads, plan.ranks], PAD)  # (n, L-1)
         g0 = mx.broadcast_to(state.g0.astype(mx.int32)[None, :1], (plan.n, 1))

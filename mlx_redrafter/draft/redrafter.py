@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlx_redrafter.draft.beam_search import BeamSource
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import fsync_tree, read_json
+from mlx_redrafter.model import post_norm_state
 from mlx_redrafter.models import safetensors_header
 from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_VOCAB, MAX_WIDTH, Field, check_fields, shown
 from mlx_redrafter.token_ids import check_id_array
@@ -177,7 +178,7 @@ class Drafter(nn.Module):
         post-norm state (..., H), or with `feature_layers` the fusion of it and the tapped layers'."""
         H = self.args.hidden_size
         if not self.args.feature_layers:
-            return hidden if hidden.shape[-1] == H else hidden[..., :H]
+            return post_norm_state(hidden, H)
         if hidden.shape[-1] != H * (1 + len(self.args.feature_layers)):
             raise UserError(f"this drafter reads target layers {self.args.feature_layers} besides the last, but the "
                             f"hidden states it was given hold {hidden.shape[-1] // H - 1} tapped layer(s): call "

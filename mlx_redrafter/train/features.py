@@ -123,6 +123,7 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
                                     all_hidden=True)
         spans = [(int(pad[b]) + int(shard.prompt_len[q]) - 1, int(pad[b]) + int(lens[q]) - 1) for b, q in
                  enumerate(idx)]
+        hidden = model.last_state(hidden)  # the post-norm states: this trainer's drafters read the last layer alone
         ctx = mx.concatenate([hidden[b, s:e] for b, (s, e) in enumerate(spans)])  # float32 states
         top_i, top_v = _labels_in_chunks(model, ctx, k)
         h16 = np.array(ctx.astype(mx.float16))

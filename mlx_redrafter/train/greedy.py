@@ -134,10 +134,8 @@ class GreedyRows:
         self._take([i for i, k in enumerate(self.keys) if self.running[k]])
 
     def _last_state(self, hidden: mx.array) -> mx.array:
-        """The post-norm state (float16) of the target's features (the first H columns: a target set to return
-        tapped layers too returns them after it)."""
-        H = self.model.args.hidden_size
-        return (hidden if hidden.shape[-1] == H else hidden[:, :H]).astype(mx.float16)
+        """The post-norm state (float16) of the target's features."""
+        return self.model.last_state(hidden).astype(mx.float16)
 
     def _take(self, rows: list[int]) -> None:
         """Record the tokens (and states) just decided for these cache rows."""
