@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from bench.agreement import FP32_TIE, compare
 from mlx_redrafter.draft.base import Allocator
 from mlx_redrafter.generate import Stats, collect, generate_ar, generate_speculative
@@ -24,3 +27,15 @@ def divergence(model, prompt: list[int], ar: list[int], got: list[int]) -> str |
     `bench.agreement` (float32: AR top-2 gap below TIE; float16 / bfloat16 / quantized: a measured
     multiple of the dtype's rounding)."""
     return compare(model, prompt, ar, got).problem()
+
+
+@contextmanager
+def reading_layers(model, layers: tuple[int, ...]) -> Iterator[None]:
+    """The model's forward returns `layers` beside its last state inside the block (none: the last state alone),
+    then what it returned before: the session's target may be paired with a drafter that fuses layers."""
+    kept = model.feature_layers
+    model.feature_layers = tuple(layers)
+    try:
+        yield
+    finally:
+        model.feature_layers = kept

@@ -6,6 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from exactness import reading_layers
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -42,9 +43,8 @@ def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
     layers = (2, 15, 24)
     f = Features(hf, seqs, "cpu", taps=layers)
     assert len(f) == sum(len(a) for a in answers) and f.top_ids.shape == (len(f), TOP_K)
-    H, row, kept = target.model.args.hidden_size, 0, target.model.feature_layers
-    target.model.feature_layers = layers  # the runtime's features: the last state, then each layer over its RMS
-    try:
+    H, row = target.model.args.hidden_size, 0
+    with reading_layers(target.model, layers):  # the runtime's features: the last state, then each layer over its RMS
         for s, P in seqs:
             logits, hidden = target.model(mx.array(s[None]), target.model.make_cache(len(s)))
             ctx, rows = slice(P - 1, len(s) - 1), slice(row, row + len(s) - P)
@@ -53,8 +53,6 @@ def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
             taps = f.tap_hidden[rows].float().numpy().reshape(len(s) - P, -1)
             assert np.allclose(taps, np.array(hidden[0, ctx, H:]), atol=2e-2)
             row += len(s) - P
-    finally:
-        target.model.feature_layers = kept
 
 
 def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):

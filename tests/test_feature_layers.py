@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import ar_tokens, divergence, speculative_tokens
+from exactness import ar_tokens, divergence, reading_layers, speculative_tokens
 
 from mlx_redrafter import api
 from mlx_redrafter.batch.budget import Budget
@@ -38,12 +38,8 @@ def embed(ids: mx.array) -> mx.array:
 @pytest.fixture()
 def tapped(target):
     """The session's target with its forward providing LAYERS, restored afterwards."""
-    kept = target.model.feature_layers
-    target.model.feature_layers = tuple(LAYERS)
-    try:
+    with reading_layers(target.model, tuple(LAYERS)):
         yield target
-    finally:
-        target.model.feature_layers = kept
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +49,10 @@ def fused():
 
 def test_the_targets_features_are_the_last_state_then_each_tapped_layer_over_its_rms(target, chat_ids):
     tokens = mx.array([chat_ids[0][:40]])
-    kept = target.model.feature_layers  # the session's target may be paired with a drafter that fuses layers
-    try:
-        target.model.feature_layers = ()
+    with reading_layers(target.model, ()):
         logits, plain = target.model(tokens, target.model.make_cache(64))
-        target.model.feature_layers = tuple(LAYERS)
+    with reading_layers(target.model, tuple(LAYERS)):
         logits2, wide = target.model(tokens, target.model.make_cache(64))
-    finally:
-        target.model.feature_layers = kept
     H = target.model.args.hidden_size
     assert wide.shape == (1, 40, H * (1 + len(LAYERS)))
     assert mx.array_equal(wide[..., :H], plain) and mx.array_equal(logits2, logits)
