@@ -74,7 +74,8 @@ def test_a_missing_kernel_is_one_warning_line_and_the_cli_still_runs(tmp_path):
 
 
 @pytest.mark.parametrize("var, value, allowed", [("REDRAFTER_BLAS", "mkk", "auto, mkl, openblas, off"),
-                                                 ("REDRAFTER_SMALL_GEMM", "offf", "auto, on")])
+                                                 ("REDRAFTER_SMALL_GEMM", "offf", "auto, on"),
+                                                 ("REDRAFTER_ATTENTION_KERNEL", "fast", "auto, off")])
 def test_an_unknown_switch_value_is_one_error_line(tmp_path, var, value, allowed):
     for args in ([*CLI, "generate", "--help"], [*BENCH, "sweep", "--help"]):
         p = run(args, tmp_path, **{var: value}, PYTHONPATH=str(REPO))
@@ -85,5 +86,6 @@ def test_the_json_record_holds_the_full_blas_status(tmp_path):
     p = run([*CLI, "generate", "-p", "Hi", "-n", "2", "--no-draft", "--json"], tmp_path)
     assert p.returncode == 0, p.stderr
     full = json.loads(p.stdout.splitlines()[-1])["blas_status"]
-    assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_version", "small_gemm_expected", "problem"}
+    assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_version", "small_gemm_expected",
+                         "attention_kernel", "problem"}
     assert full["installed"] and full["small_gemm"] == EXPECTED

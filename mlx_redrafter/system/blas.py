@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+from mlx_redrafter.system import attention_kernel
+
 _loaded: str | None = None
 _handle: ctypes.CDLL | None = None
 _small: ctypes.CDLL | None = None
@@ -46,13 +48,17 @@ class BlasStatus:
     small_gemm: bool = False
     small_gemm_version: int = 0  # the kernel build's version (its speed; see csrc/smallgemm.c)
     small_gemm_expected: bool = False
+    attention_kernel: bool = False  # our CPU attention kernel (attention_kernel.py) is active
     problem: str = ""  # why an expected piece is missing, or what the self-check found
 
     def describe(self) -> str:
-        """E.g. 'libmkl_rt.so.2+smallgemm2' (the kernel's version after its name, from version 2)."""
-        if not self.small_gemm:
-            return self.blas
-        return self.blas + "+smallgemm" + (str(self.small_gemm_version) if self.small_gemm_version > 1 else "")
+        """E.g. 'libmkl_rt.so.2+smallgemm6+attn1' (each kernel's version after its name; the GEMM's from 2)."""
+        name = self.blas
+        if self.small_gemm:
+            name += "+smallgemm" + (str(self.small_gemm_version) if self.small_gemm_version > 1 else "")
+        if self.attention_kernel:
+            name += f"+attn{attention_kernel.VERSION}"
+        return name
 
     def as_dict(self) -> dict:
         """All fields, for --json output and benchmark records."""
@@ -151,6 +157,7 @@ def install() -> BlasStatus:
     if _status.installed:
         return _status
     choice, want_small = blas_choice(), small_gemm_requested()  # unknown switch values fail before anything loads
+    want_attention = attention_kernel.requested()
     st = BlasStatus(installed=True)
     if platform.system() != "Linux":
         _status = st
@@ -181,10 +188,24 @@ def install() -> BlasStatus:
     if _small is not None:
         st.small_gemm_version = _small.redrafter_gemm_version() if hasattr(_small, "redrafter_gemm_version") else 1
     _self_check(st)
+    if want_attention:
+        expected = platform.machine() in ("x86_64", "AMD64") and _cpu_has_kernel_features()
+        missing = attention_kernel.load(_env_threads(), expected)
+        st.attention_kernel = attention_kernel.active()
+        if missing and expected and not st.problem:
+            st.problem = missing
     if st.problem:
-        fix = ("rebuild it with `make setup` (or `pip install -e .`), or set REDRAFTER_SMALL_GEMM=off to silence this"
-               if "small-GEMM" in st.problem else "")
-        sys.stderr.write(f"warning: {st.problem}: one-token decoding steps run slower; {fix}\n")
+        if "small-GEMM" in st.problem:
+            slower = "one-token decoding steps run slower"
+            fix = ("rebuild it with `make setup` (or `pip install -e .`), or set REDRAFTER_SMALL_GEMM=off to silence "
+                   "this")
+        elif "attention kernel" in st.problem:
+            slower = "attention runs on MLX's operations, slower"
+            fix = ("build it with `make setup` (or `python -m mlx_redrafter.system.attention_kernel`), or set "
+                   "REDRAFTER_ATTENTION_KERNEL=off to silence this")
+        else:
+            slower, fix = "one-token decoding steps run slower", ""
+        sys.stderr.write(f"warning: {st.problem}: {slower}; {fix}\n")
     _status = st
     return st
 
@@ -251,6 +272,7 @@ def set_threads(n: int) -> bool:
     """Set the optimized BLAS's thread count at run time (MKL or OpenBLAS); False when there is none to set."""
     if _small is not None:
         _small.redrafter_gemm_set_threads(ctypes.c_int(n))
+    attention_kernel.set_threads(n)
     for fn in ("MKL_Set_Num_Threads", "openblas_set_num_threads"):
         f = getattr(_handle, fn, None) if _handle is not None else None
         if f is not None:

@@ -1,0 +1,334 @@
+// softmax(scores) @ values for few query tokens as one MLX primitive on the CPU (decode, verification and batched
+// steps; built by mlx_redrafter/system/attention_kernel.py, which also says when it is used).
+//
+// MLX's CPU backend computes attention's softmax as 4-5 element-wise and reduction kernels, each its own dispatch
+// over the (rows, KV heads, query rows, keys) scores, and on a CPU those passes cost about as much as the two
+// matrix products (B = 4 rows x 3 tokens at 400 keys: ~0.3 of ~0.45 ms a layer). The scores' product stays MLX's
+// (it reaches the small-GEMM kernel); here, for each score row, the mask, the softmax (2^x by a polynomial, in
+// vector registers) and the weighted sum of values run in one pass: one dispatch a layer.
+//
+// A row's output depends only on its own scores and the keys it may see: a masked key weighs exactly 0 and the
+// max and sum run in vector lanes by key index, so masked keys beside it (other candidates of a tree, padding of
+// other rows) change no partial sum.
+//
+// float32 only: scores (B, h_kv, G * N, S) (rows: query head in the group, then token), values (B, h_kv, S, D <=
+// 256), mask (B or 1, 1, N or G * N or 1, S) bool; any strides (a copy is made where the last axis is strided).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <omp.h>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int MAX_D = 256;
+constexpr int64_t PARALLEL_WORK = 1 << 18;  // multiply-adds below which one thread does it all
+int threads_ = 1;             // set_threads
+
+// Vectors of LN floats (GCC's vector extensions: one register of the ISA a function is compiled for, or several).
+template <int LN>
+struct Vec {
+    typedef float F __attribute__((vector_size(4 * LN)));
+    typedef int32_t I __attribute__((vector_size(4 * LN)));
+};
+
+template <typename F>
+__attribute__((always_inline)) static inline F load(const float* p) {
+    F x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+template <typename F>
+__attribute__((always_inline)) static inline void store(float* p, F x) {
+    std::memcpy(p, &x, sizeof x);
+}
+
+// 2^x for x <= 0, a vector at a time (x below -126 gives 2^-126: a weight of 0 to float precision beside the
+// max's 1).
+template <typename F, typename I>
+__attribute__((always_inline)) static inline F exp2_neg(F x) {
+    x = x > -126.0f ? x : -126.0f - F{};
+    I xi = __builtin_convertvector(x, I);  // toward 0
+    F xf = __builtin_convertvector(xi, F);
+    xi = xf > x ? xi - 1 : xi;  // floor
+    xf = __builtin_convertvector(xi, F);
+    const F f = x - xf;  // [0, 1)
+    // minimax polynomial for 2^f on [0, 1): relative error ~2e-7
+    F p = 1.8775767e-3f + F{};
+    p = p * f + 8.9893397e-3f;
+    p = p * f + 5.5826318e-2f;
+    p = p * f + 2.4015361e-1f;
+    p = p * f + 6.9315308e-1f;
+    p = p * f + 9.9999994e-1f;
+    I bits;
+    std::memcpy(&bits, &p, sizeof bits);
+    bits += xi << 23;
+    std::memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
+struct View {  // a float32 array of 4 dims
+    const float* data;
+    int64_t s0, s1, s2;  // strides of dims 0-2 (elements); dim 3 is contiguous
+};
+
+struct MaskView {
+    const bool* data;
+    int64_t s0, s2, s3;  // strides of the batch, mask row and key dims (0 where broadcast)
+    bool grouped;        // one mask row per score row (G * N rows) rather than per token (N)
+};
+
+// One KV head of one batch row: its R = G * N score rows (the G query heads that share the KV head x the N
+// tokens, q.k unscaled) -> R output rows of D. Sums run in LN lanes by key index, so a masked key (weight exactly
+// 0) changes no partial sum: a row's output does not depend on the keys it may not see.
+template <int LN, int D_>
+__attribute__((always_inline)) static inline void unit(const float* scores, int64_t rs, const View& v,
+                                                       const MaskView* m, float* out, int b, int g, int N, int R,
+                                                       int S, int D, float scale, float* w) {
+    typedef typename Vec<LN>::F F;
+    typedef typename Vec<LN>::I I;
+    constexpr int L = LN;
+    const int Dd = D_ > 0 ? D_ : D;
+    const float c = scale * 1.4426950408889634f;  // exp(x) = 2^(x log2 e)
+    const float ninf = -std::numeric_limits<float>::infinity();
+    const int Sp = (S + L - 1) / L * L;
+    const float* vb = v.data + b * v.s0 + g * v.s1;
+    for (int r = 0; r < R; ++r) {
+        const float* __restrict sr = scores + (int64_t)r * rs;
+        float* __restrict wr = w;
+        const int n = r % N;
+        if (!m) {
+            for (int j = 0; j < S; ++j) wr[j] = sr[j];
+        } else {
+            const bool* mr = m->data + b * m->s0 + (m->grouped ? r : n) * m->s2;
+            if (m->s3 == 1)
+                for (int j = 0; j < S; ++j) wr[j] = mr[j] ? sr[j] : ninf;
+            else
+                for (int j = 0; j < S; ++j) wr[j] = mr[j * m->s3] ? sr[j] : ninf;
+        }
+        for (int j = S; j < Sp; ++j) wr[j] = ninf;
+        F top = ninf - F{};
+        for (int j0 = 0; j0 < Sp; j0 += L) {
+            const F x = load<F>(wr + j0);
+            top = x > top ? x : top;
+        }
+        float t = ninf;
+        for (int l = 0; l < L; ++l) t = top[l] > t ? top[l] : t;
+        float* __restrict o = out + (int64_t)r * Dd;
+        if (t == ninf) {  // sees no key
+            for (int d = 0; d < Dd; ++d) o[d] = 0.0f;
+            continue;
+        }
+        F sum = {};
+        for (int j0 = 0; j0 < Sp; j0 += L) {
+            const F x = load<F>(wr + j0);
+            const F p = exp2_neg<F, I>(c * (x - t));
+            const F w = x == ninf ? F{} : p;  // a masked key weighs exactly 0
+            store(wr + j0, w);
+            sum += w;
+        }
+        float total = 0.0f;
+        for (int l = 0; l < L; ++l) total += sum[l];
+        if (Dd == 64) {  // 64 / LN accumulators per key, two keys per iteration: they stay in registers
+            constexpr int K = 64 / LN;
+            F a[K] = {}, bb[K] = {};
+            int j = 0;
+            for (; j + 1 < S; j += 2) {
+                const float* x = vb + (int64_t)j * v.s2;
+                const float* y = x + v.s2;
+                const float p = wr[j], q = wr[j + 1];
+                for (int k = 0; k < K; ++k) a[k] += p * load<F>(x + k * LN);
+                for (int k = 0; k < K; ++k) bb[k] += q * load<F>(y + k * LN);
+            }
+            for (int k = 0; k < K; ++k) a[k] += bb[k];
+            if (j < S) {
+                const float* x = vb + (int64_t)j * v.s2;
+                const float p = wr[j];
+                for (int k = 0; k < K; ++k) a[k] += p * load<F>(x + k * LN);
+            }
+            const float inv = 1.0f / total;
+            for (int k = 0; k < K; ++k) store<F>(o + k * LN, a[k] * inv);
+            continue;
+        }
+        alignas(64) float acc[MAX_D] = {};
+        for (int j = 0; j < S; ++j) {
+            const float p = wr[j];
+            const float* __restrict vr = vb + (int64_t)j * v.s2;
+            for (int d = 0; d < Dd; ++d) acc[d] += p * vr[d];
+        }
+        const float inv = 1.0f / total;
+        for (int d = 0; d < Dd; ++d) o[d] = acc[d] * inv;
+    }
+}
+
+// The unit compiled for AVX-512, AVX2 + FMA and the build's baseline; `isa_` picks the best the CPU runs (or one
+// asked for by set_isa, for tests).
+using UnitFn = void (*)(const float*, int64_t, const View&, const MaskView*, float*, int, int, int, int, int, int,
+                        float, float*);
+#define UNIT_VARIANT(NAME, TARGET, LN)                                                                               \
+    TARGET static void NAME(const float* scores, int64_t rs, const View& v, const MaskView* m, float* out, int b,  \
+                            int g, int N, int R, int S, int D, float scale, float* w) {                            \
+        if (D == 64)                                                                                               \
+            unit<LN, 64>(scores, rs, v, m, out, b, g, N, R, S, D, scale, w);                                       \
+        else                                                                                                       \
+            unit<LN, 0>(scores, rs, v, m, out, b, g, N, R, S, D, scale, w);                                        \
+    }
+UNIT_VARIANT(unit_base, , 8)
+#if defined(__x86_64__)
+UNIT_VARIANT(unit_avx2, __attribute__((target("avx2,fma"))), 8)
+UNIT_VARIANT(unit_avx512, __attribute__((target("avx512f"))), 16)
+#endif
+
+const char* isa_ = nullptr;
+UnitFn unit_fn_ = nullptr;
+
+// "avx512", "avx2" or "base": the best this CPU runs, or the one asked for where it runs it. Returns the choice.
+const char* set_isa(const std::string& want) {
+    isa_ = "base";
+    unit_fn_ = unit_base;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx512 && (want == "best" || want == "avx512")) {
+        isa_ = "avx512";
+        unit_fn_ = unit_avx512;
+    } else if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) {
+        isa_ = "avx2";
+        unit_fn_ = unit_avx2;
+    }
+#endif
+    return isa_;
+}
+
+class SoftmaxValues : public mx::Primitive {
+   public:
+    SoftmaxValues(mx::Stream s, float scale, int n, bool masked)
+        : mx::Primitive(s), scale_(scale), n_(n), masked_(masked) {}
+
+    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("softmax_values runs on the CPU only");
+    }
+    const char* name() const override { return "SoftmaxValues"; }
+    bool is_equivalent(const mx::Primitive& other) const override {
+        auto& o = static_cast<const SoftmaxValues&>(other);
+        return scale_ == o.scale_ && n_ == o.n_ && masked_ == o.masked_;
+    }
+
+   private:
+    float scale_;
+    int n_;
+    bool masked_;
+};
+
+// A view with a contiguous last dim: the array's own memory, or a contiguous copy of it in `keep`.
+static View view_of(const mx::array& a, std::vector<float>& keep) {
+    auto& st = a.strides();
+    if (st[3] == 1 || a.shape(3) == 1) return View{a.data<float>(), (int64_t)st[0], (int64_t)st[1], (int64_t)st[2]};
+    const int n0 = a.shape(0), n1 = a.shape(1), n2 = a.shape(2), n3 = a.shape(3);
+    keep.resize((size_t)n0 * n1 * n2 * n3);
+    const float* src = a.data<float>();
+    size_t i = 0;
+    for (int x0 = 0; x0 < n0; ++x0)
+        for (int x1 = 0; x1 < n1; ++x1)
+            for (int x2 = 0; x2 < n2; ++x2)
+                for (int x3 = 0; x3 < n3; ++x3) keep[i++] = src[x0 * st[0] + x1 * st[1] + x2 * st[2] + x3 * st[3]];
+    return View{keep.data(), (int64_t)n1 * n2 * n3, (int64_t)n2 * n3, (int64_t)n3};
+}
+
+void SoftmaxValues::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), scale = scale_, N = n_, masked = masked_,
+                  threads = threads_, unit = unit_fn_]() mutable {
+        const auto& sc = ins[0];
+        const auto& v = ins[1];
+        const int B = sc.shape(0), hkv = sc.shape(1), R = sc.shape(2), S = sc.shape(3), D = v.shape(3);
+        std::vector<float> ks, kv;
+        View sv = view_of(sc, ks), vv = view_of(v, kv);
+        std::optional<MaskView> mv;
+        if (masked) {
+            const auto& m = ins[2];
+            auto& st = m.strides();
+            mv = MaskView{m.data<bool>(), m.shape(0) == 1 ? 0 : (int64_t)st[0], m.shape(2) == 1 ? 0 : (int64_t)st[2],
+                          (int64_t)st[3], m.shape(2) == R && R != N};
+        }
+        const MaskView* mp = mv ? &*mv : nullptr;
+        const int units = B * hkv, T = std::min(threads, units);
+        const size_t wn = (size_t)(S + 15) / 16 * 16 + 16;  // scores padded to whole vectors
+        float* o = out.data<float>();
+        auto run = [&](int u0, int u1) {
+            std::vector<float> w(wn);
+            for (int u = u0; u < u1; ++u) {
+                const int b = u / hkv, g = u % hkv;
+                const float* s0 = sv.data + b * sv.s0 + g * sv.s1;
+                float* ob = o + (int64_t)u * R * D;
+                unit(s0, sv.s2, vv, mp, ob, b, g, N, R, S, D, scale, w.data());
+            }
+        };
+        if (T <= 1 || (int64_t)units * R * S * D < PARALLEL_WORK) {
+            run(0, units);
+            return;
+        }
+#pragma omp parallel num_threads(T)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            run(units * t / nt, units * (t + 1) / nt);
+        }
+    });
+}
+
+// scores (B, h_kv, G * N, S) = q.k per KV head (rows: query head in the group, then token), v (B, h_kv, S, D),
+// mask (B or 1, 1, N, S) -> softmax(scores * scale, masked) @ v, (B, h_kv, G * N, D).
+mx::array softmax_values(const mx::array& scores, const mx::array& v, float scale, int n,
+                         std::optional<mx::array> mask) {
+    auto s = mx::default_stream(mx::Device::cpu);
+    if (scores.dtype() != mx::float32 || v.dtype() != mx::float32 || scores.ndim() != 4 || v.ndim() != 4 ||
+        v.shape(3) > MAX_D || n < 1 || scores.shape(2) % n != 0 || scores.shape(3) != v.shape(2) ||
+        scores.shape(0) != v.shape(0) || scores.shape(1) != v.shape(1))
+        throw std::invalid_argument("softmax_values: float32 scores (B, h_kv, G * n, S) and values (B, h_kv, S, D <= 256)");
+    std::vector<mx::array> ins = {scores, v};
+    if (mask) {
+        if (mask->ndim() != 4 || mask->shape(1) != 1 || (mask->shape(0) != 1 && mask->shape(0) != scores.shape(0)) ||
+            (mask->shape(2) != 1 && mask->shape(2) != n && mask->shape(2) != scores.shape(2)) ||
+            mask->shape(3) != scores.shape(3))
+            throw std::invalid_argument("softmax_values: mask (B or 1, 1, n, G * n or 1, S)");
+        ins.push_back(mx::astype(*mask, mx::bool_, s));
+    }
+    mx::Shape shape = {scores.shape(0), scores.shape(1), scores.shape(2), v.shape(3)};
+    return mx::array(shape, mx::float32, std::make_shared<SoftmaxValues>(s, scale, n, mask.has_value()),
+                     std::move(ins));
+}
+
+}  // namespace
+
+NB_MODULE(_attention, m) {
+    m.doc() = "Few-query softmax attention as one MLX CPU primitive (see attention.cpp).";
+    m.def("softmax_values", &softmax_values, nb::arg("scores"), nb::arg("v"), nb::arg("scale"), nb::arg("n"),
+          nb::arg("mask") = nb::none());
+    m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
+    m.def("set_isa", &set_isa, nb::arg("want") = "best");
+    m.def("version", []() { return 1; });
+    set_isa("best");
+}

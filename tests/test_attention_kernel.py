@@ -1,0 +1,149 @@
+"""Our CPU attention kernel (x86-64 Linux with AVX-512 or AVX2 + FMA): the same function as MLX's attention, a
+query's output independent of the keys it may not see, and decoding through it identical to decoding without it."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_redrafter.generate import collect, generate_ar
+from mlx_redrafter.model import attention, grouped_mask
+from mlx_redrafter.system import attention_kernel
+from mlx_redrafter.system.blas import status
+
+# conftest installed the BLAS (and loaded the kernel) before this module imported mlx.core.
+EXPECTED = attention_kernel.expected() and attention_kernel.requested()
+ISAS = ["best", "avx2"]
+
+
+@pytest.fixture
+def kernel():
+    """Fails where the kernel is expected and not active; skips elsewhere."""
+    if not attention_kernel.active():
+        if EXPECTED:
+            pytest.fail(f"the attention kernel is not active on a machine it is built for: {status().problem} "
+                        "(make setup builds it)")
+        pytest.skip("the attention kernel is not built for this machine")
+    return attention_kernel
+
+
+class without_kernel:
+    """MLX's own attention path inside."""
+
+    def __enter__(self):
+        self.k = attention_kernel._kernel
+        attention_kernel._kernel = None
+
+    def __exit__(self, *exc):
+        attention_kernel._kernel = self.k
+
+
+def reference(scores, v, scale, n, mask):
+    """softmax(scores * scale, masked) @ v in float64 (numpy), rows (head in group, token)."""
+    s = np.array(scores, dtype=np.float64) * scale
+    if mask is not None:
+        m = np.array(mask)
+        if m.shape[2] != s.shape[2]:
+            m = np.tile(m, (1, 1, s.shape[2] // m.shape[2], 1))
+        s = np.where(m, s, -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(top), top, 0))
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return p @ np.array(v, dtype=np.float64)
+
+
+def test_the_kernel_is_active_where_it_is_expected():
+    assert attention_kernel.active() or not EXPECTED
+    if attention_kernel.active():
+        assert status().describe().endswith(f"+attn{attention_kernel.VERSION}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("B,h_kv,G,N,S,D", [(1, 3, 3, 1, 1, 64), (1, 3, 3, 1, 400, 64), (1, 3, 3, 4, 133, 64),
+                                            (4, 3, 3, 3, 400, 64), (8, 3, 3, 2, 17, 64), (2, 2, 1, 5, 40, 32),
+                                            (3, 1, 4, 2, 75, 80), (2, 4, 2, 9, 300, 128)])
+def test_matches_float64(kernel, isa, B, h_kv, G, N, S, D):
+    rng = np.random.default_rng(B * 1000 + S)
+    scores = mx.array(rng.standard_normal((B, h_kv, G * N, S), dtype=np.float32) * 8)
+    v = mx.array(rng.standard_normal((B, h_kv, S, D), dtype=np.float32))
+    mask = mx.array(rng.random((B, 1, N, S)) > 0.4)
+    with kernel.use_isa(isa):
+        for m in (None, mask, mx.tile(mask, (1, 1, G, 1)), mask[:1]):
+            got = np.array(kernel.softmax_values(scores, v, 0.125, N, m))
+            want = reference(scores, v, 0.125, N, m)
+            assert np.abs(got - want).max() <= 2e-6 * max(1.0, np.abs(want).max()), (isa, m is None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_query_ignores_the_keys_it_may_not_see_to_the_bit(kernel, isa):
+    """The same visible keys give the same bits whether more keys follow (masked) or not: a verified token's
+    attention does not depend on the other candidates packed beside it."""
+    rng = np.random.default_rng(1)
+    B, h_kv, G, N, S, extra = 2, 3, 3, 4, 150, 37
+    scores = rng.standard_normal((B, h_kv, G * N, S + extra), dtype=np.float32)
+    v = rng.standard_normal((B, h_kv, S + extra, 64), dtype=np.float32)
+    mask = rng.random((B, 1, N, S)) > 0.3
+    wide = np.concatenate([mask, np.zeros((B, 1, N, extra), bool)], axis=-1)
+    with kernel.use_isa(isa):
+        short = kernel.softmax_values(mx.array(scores[..., :S]), mx.array(v[:, :, :S]), 0.125, N, mx.array(mask))
+        long = kernel.softmax_values(mx.array(scores), mx.array(v), 0.125, N, mx.array(wide))
+        assert np.array_equal(np.array(short), np.array(long))
+
+
+def test_a_row_that_sees_no_key_gets_zeros(kernel):
+    scores, v = mx.ones((1, 1, 2, 5)), mx.ones((1, 1, 5, 64))
+    mask = mx.array(np.array([[[[False] * 5, [True] + [False] * 4]]]))
+    out = np.array(kernel.softmax_values(scores, v, 1.0, 2, mask))
+    assert np.array_equal(out[0, 0, 0], np.zeros(64)) and np.allclose(out[0, 0, 1], 1.0)
+
+
+def test_strided_inputs(kernel):
+    """Keys and values as the cache hands them (slices of a longer buffer), scores with a transposed last axis."""
+    rng = np.random.default_rng(2)
+    buf = mx.array(rng.standard_normal((2, 3, 64, 64), dtype=np.float32))
+    v = buf[:, :, :41]
+    scores_t = mx.array(rng.standard_normal((2, 3, 41, 6), dtype=np.float32)).swapaxes(-1, -2)
+    got = np.array(kernel.softmax_values(scores_t, v, 0.5, 2, None))
+    assert np.abs(got - reference(scores_t, v, 0.5, 2, None)).max() < 2e-6
+
+
+def test_bad_arguments_are_refused(kernel):
+    with pytest.raises(ValueError, match="float32 scores"):
+        kernel.softmax_values(mx.ones((1, 1, 2, 5), dtype=mx.float16), mx.ones((1, 1, 5, 64)), 1.0, 2)
+    with pytest.raises(ValueError, match="float32 scores"):
+        kernel.softmax_values(mx.ones((1, 1, 3, 5)), mx.ones((1, 1, 5, 64)), 1.0, 2)  # 3 rows, 2 tokens
+    with pytest.raises(ValueError, match="mask"):
+        kernel.softmax_values(mx.ones((1, 1, 2, 5)), mx.ones((1, 1, 5, 64)), 1.0, 2, mx.ones((1, 1, 2, 4), mx.bool_))
+
+
+def test_model_attention_agrees_with_mlx_path(kernel):
+    """model.attention with and without the kernel, on the shapes a verification step has."""
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((4, 3, 9, 64), dtype=np.float32)).transpose(0, 2, 1, 3)  # (B, h, N, D) view
+    k = mx.array(rng.standard_normal((4, 3, 90, 64), dtype=np.float32))[:, :, :77]
+    v = mx.array(rng.standard_normal((4, 3, 90, 64), dtype=np.float32))[:, :, :77]
+    mask = mx.array(rng.random((4, 1, 3, 77)) > 0.2)
+    got = attention(q, k, v, 0.125, mask)
+    with without_kernel():
+        want = attention(q, k, v, 0.125, grouped_mask(mask, 3, 3))
+    assert np.abs(np.array(got) - np.array(want)).max() < 1e-5
+
+
+def test_decoding_is_the_same_with_and_without_the_kernel(kernel, target, chat_ids):
+    model, eos = target.model, target.tokenizer.eos_ids
+    with_k, _ = collect(generate_ar(model, chat_ids[0], max_tokens=48, eos_ids=eos))
+    with without_kernel():
+        without, _ = collect(generate_ar(model, chat_ids[0], max_tokens=48, eos_ids=eos))
+    assert with_k == without
+
+
+def test_off_switch_leaves_mlx_path():
+    env = dict(os.environ, REDRAFTER_ATTENTION_KERNEL="off")
+    code = ("import mlx_redrafter; s = mlx_redrafter.install_blas(); "
+            "from mlx_redrafter.system import attention_kernel as a; print(a.active(), '+attn' in s.describe())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["False", "False"] and "warning" not in res.stderr
