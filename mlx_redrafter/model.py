@@ -144,15 +144,15 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
 
     On a GPU MLX's fused kernel is used. MLX's CPU backend has no fused kernel (its fallback repeats the KV
     heads and is ~1.5x slower), so there the query heads that share a KV head are folded into one matrix
-    product per KV head: the same arithmetic per head, in two BLAS calls instead of many small ones. For few
-    query tokens (decode and verification steps) our kernel takes the softmax and the value product in one
-    dispatch (`system/attention_kernel.py`; 2-3x faster than MLX's element-wise passes).
+    product per KV head: the same arithmetic per head, in two BLAS calls instead of many small ones. In float32
+    our kernel takes the softmax and the value product in one dispatch (`system/attention_kernel.py`; 2-3x
+    faster than MLX's element-wise passes).
     """
     if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, h, N, D = q.shape
     h_kv = k.shape[1]
-    if attention_kernel.usable(N, q.dtype):
+    if attention_kernel.usable(q.dtype):
         scores = q.reshape(B, h_kv, h // h_kv * N, D) @ k.swapaxes(-1, -2)
         return attention_kernel.softmax_values(scores, v, scale, N, mask).reshape(B, h, N, D)
     scores = (q * scale).reshape(B, h_kv, h // h_kv * N, D) @ k.swapaxes(-1, -2)  # (B, h_kv, r*N, S): rows (head, n)
@@ -501,7 +501,7 @@ class Model(nn.Module):
             positions = mx.broadcast_to(mx.arange(cache.offset, cache.offset + N), (B, N))
         if mask is None and N > 1:
             mask = causal_mask(N, cache.offset)
-        if mask is not None and not attention_kernel.usable(N, self.dtype):
+        if mask is not None and not attention_kernel.usable(self.dtype):
             mask = grouped_mask(mask, self.args.num_attention_heads // self.args.num_key_value_heads, N)
         # (B * N, H) or, ragged, (T, H): two-dimensional products, fewer graph nodes
         x = self.embed(tokens).reshape(B * N, -1) if ragged is None else self.embed(ragged.flat(tokens))

@@ -147,3 +147,19 @@ def test_off_switch_leaves_mlx_path():
             "from mlx_redrafter.system import attention_kernel as a; print(a.active(), '+attn' in s.describe())")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.split() == ["False", "False"] and "warning" not in res.stderr
+
+
+def test_threads_share_the_rows_without_changing_a_bit(kernel):
+    """A long call (a prefill's) split over two threads by score rows gives the bits of one thread."""
+    rng = np.random.default_rng(4)
+    scores = mx.array(rng.standard_normal((1, 3, 3 * 70, 300), dtype=np.float32))
+    v = mx.array(rng.standard_normal((1, 3, 300, 64), dtype=np.float32))
+    mask = mx.array(np.tril(np.ones((70, 300), bool), k=230)[None, None])
+    try:
+        kernel.set_threads(1)
+        one = np.array(kernel.softmax_values(scores, v, 0.125, 70, mask))
+        kernel.set_threads(2)
+        two = np.array(kernel.softmax_values(scores, v, 0.125, 70, mask))
+    finally:
+        kernel.set_threads(int(os.environ.get("REDRAFTER_THREADS", os.cpu_count() or 1)))
+    assert np.array_equal(one, two)

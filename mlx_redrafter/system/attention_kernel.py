@@ -1,12 +1,12 @@
-"""Our CPU attention kernel for few query tokens: an MLX primitive (csrc/attention.cpp) that takes the scores of a
-decode or verification step and returns softmax(scores) @ values in one dispatch.
+"""Our CPU attention kernel: an MLX primitive (csrc/attention.cpp) that takes attention's scores (of a decode,
+verification or batched step, or a prefill) and returns softmax(scores) @ values in one dispatch.
 
 MLX's CPU backend computes that softmax as 4-5 element-wise and reduction kernels over the whole score tensor; on
 this project's CPUs those passes cost about as much as the rest of attention, and more per token as rows x tokens x
-keys grow (a batched verification step). The kernel is built against the installed MLX by `make setup` (`python -m
-mlx_redrafter.system.attention_kernel`), as a Python extension that shares MLX's array type; where it is not built,
-does not load, or fails its self-check, attention runs on MLX's own operations, as before (the same function to
-float rounding, slower: one line on stderr says so where the kernel was expected).
+keys grow (a batched verification step, a prefill). The kernel is built against the installed MLX by `make setup`
+(`python -m mlx_redrafter.system.attention_kernel`), as a Python extension that shares MLX's array type; where it is
+not built, does not load, or fails its self-check, attention runs on MLX's own operations, as before (the same
+function to float rounding, slower: one line on stderr says so where the kernel was expected).
 Switch: REDRAFTER_ATTENTION_KERNEL=auto (default) | off.
 
 Importing this module changes nothing; `blas.install()` calls `load()` once MLX is safe to import.
@@ -27,7 +27,6 @@ from mlx_redrafter.errors import UserError
 
 _OFF = ("off", "0", "none", "false")
 CHOICES = ("auto", "on", "1", "true", *_OFF)
-MAX_TOKENS = 32  # query tokens per row up to which the kernel runs; longer calls (prefills) keep MLX's path
 VERSION = 1  # the kernel build's version (its speed), shown in blas=...+attn1
 _kernel: ModuleType | None = None
 _problem = ""
@@ -110,12 +109,11 @@ def set_threads(n: int) -> None:
         _kernel.set_threads(max(1, n))
 
 
-def usable(tokens: int, dtype) -> bool:
-    """The kernel takes a call of `tokens` query tokens per row in this dtype on the current device."""
+def usable(dtype) -> bool:
+    """The kernel takes attention in this dtype on the current device."""
     import mlx.core as mx
 
-    return (_kernel is not None and tokens <= MAX_TOKENS and dtype == mx.float32
-            and mx.default_device() == mx.cpu)
+    return _kernel is not None and dtype == mx.float32 and mx.default_device() == mx.cpu
 
 
 def softmax_values(scores, values, scale: float, tokens: int, mask=None):

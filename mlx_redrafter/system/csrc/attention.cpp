@@ -1,5 +1,5 @@
-// softmax(scores) @ values for few query tokens as one MLX primitive on the CPU (decode, verification and batched
-// steps; built by mlx_redrafter/system/attention_kernel.py, which also says when it is used).
+// softmax(scores) @ values as one MLX primitive on the CPU (decode, verification and batched steps, prefills;
+// built by mlx_redrafter/system/attention_kernel.py, which also says when it is used).
 //
 // MLX's CPU backend computes attention's softmax as 4-5 element-wise and reduction kernels, each its own dispatch
 // over the (rows, KV heads, query rows, keys) scores, and on a CPU those passes cost about as much as the two
@@ -100,8 +100,8 @@ struct MaskView {
 // 0) changes no partial sum: a row's output does not depend on the keys it may not see.
 template <int LN, int D_>
 __attribute__((always_inline)) static inline void unit(const float* scores, int64_t rs, const View& v,
-                                                       const MaskView* m, float* out, int b, int g, int N, int R,
-                                                       int S, int D, float scale, float* w) {
+                                                       const MaskView* m, float* out, int b, int g, int N, int r0,
+                                                       int r1, int S, int D, float scale, float* w) {
     typedef typename Vec<LN>::F F;
     typedef typename Vec<LN>::I I;
     constexpr int L = LN;
@@ -110,7 +110,7 @@ __attribute__((always_inline)) static inline void unit(const float* scores, int6
     const float ninf = -std::numeric_limits<float>::infinity();
     const int Sp = (S + L - 1) / L * L;
     const float* vb = v.data + b * v.s0 + g * v.s1;
-    for (int r = 0; r < R; ++r) {
+    for (int r = r0; r < r1; ++r) {
         const float* __restrict sr = scores + (int64_t)r * rs;
         float* __restrict wr = w;
         const int n = r % N;
@@ -181,14 +181,14 @@ __attribute__((always_inline)) static inline void unit(const float* scores, int6
 // The unit compiled for AVX-512, AVX2 + FMA and the build's baseline; `isa_` picks the best the CPU runs (or one
 // asked for by set_isa, for tests).
 using UnitFn = void (*)(const float*, int64_t, const View&, const MaskView*, float*, int, int, int, int, int, int,
-                        float, float*);
+                        int, float, float*);
 #define UNIT_VARIANT(NAME, TARGET, LN)                                                                               \
     TARGET static void NAME(const float* scores, int64_t rs, const View& v, const MaskView* m, float* out, int b,  \
-                            int g, int N, int R, int S, int D, float scale, float* w) {                            \
+                            int g, int N, int r0, int r1, int S, int D, float scale, float* w) {                   \
         if (D == 64)                                                                                               \
-            unit<LN, 64>(scores, rs, v, m, out, b, g, N, R, S, D, scale, w);                                       \
+            unit<LN, 64>(scores, rs, v, m, out, b, g, N, r0, r1, S, D, scale, w);                                  \
         else                                                                                                       \
-            unit<LN, 0>(scores, rs, v, m, out, b, g, N, R, S, D, scale, w);                                        \
+            unit<LN, 0>(scores, rs, v, m, out, b, g, N, r0, r1, S, D, scale, w);                                   \
     }
 UNIT_VARIANT(unit_base, , 8)
 #if defined(__x86_64__)
@@ -275,26 +275,30 @@ void SoftmaxValues::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
                           (int64_t)st[3], m.shape(2) == R && R != N};
         }
         const MaskView* mp = mv ? &*mv : nullptr;
-        const int units = B * hkv, T = std::min(threads, units);
+        // score rows of every (batch row, KV head), numbered u * R + r, shared out in contiguous ranges
+        const int64_t total = (int64_t)B * hkv * R;
+        const int T = (int)std::min<int64_t>(threads, total);
         const size_t wn = (size_t)(S + 15) / 16 * 16 + 16;  // scores padded to whole vectors
         float* o = out.data<float>();
-        auto run = [&](int u0, int u1) {
+        auto run = [&](int64_t lo, int64_t hi) {
             std::vector<float> w(wn);
-            for (int u = u0; u < u1; ++u) {
+            while (lo < hi) {
+                const int u = (int)(lo / R), r0 = (int)(lo % R), r1 = (int)std::min<int64_t>(R, r0 + hi - lo);
                 const int b = u / hkv, g = u % hkv;
                 const float* s0 = sv.data + b * sv.s0 + g * sv.s1;
                 float* ob = o + (int64_t)u * R * D;
-                unit(s0, sv.s2, vv, mp, ob, b, g, N, R, S, D, scale, w.data());
+                unit(s0, sv.s2, vv, mp, ob, b, g, N, r0, r1, S, D, scale, w.data());
+                lo += r1 - r0;
             }
         };
-        if (T <= 1 || (int64_t)units * R * S * D < PARALLEL_WORK) {
-            run(0, units);
+        if (T <= 1 || total * S * D < PARALLEL_WORK) {
+            run(0, total);
             return;
         }
 #pragma omp parallel num_threads(T)
         {
             const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            run(units * t / nt, units * (t + 1) / nt);
+            run(total * t / nt, total * (t + 1) / nt);
         }
     });
 }
