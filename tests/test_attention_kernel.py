@@ -163,3 +163,15 @@ def test_threads_share_the_rows_without_changing_a_bit(kernel):
     finally:
         kernel.set_threads(int(os.environ.get("REDRAFTER_THREADS", os.cpu_count() or 1)))
     assert np.array_equal(one, two)
+
+
+@pytest.mark.skipif(not EXPECTED, reason="the kernel is not built for this machine")
+def test_a_kernel_built_for_another_mlx_is_not_loaded_and_one_warning_line_says_so():
+    code = ("from mlx_redrafter.system import attention_kernel as a; a.built_for = lambda: '0.0.1'; "
+            "import mlx_redrafter; s = mlx_redrafter.install_blas(); print(a.active(), '+attn' in s.describe())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDRAFTER_ATTENTION")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["False", "False"], res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: the attention kernel was built for MLX 0.0.1"), lines
+    assert "python -m mlx_redrafter.system.attention_kernel" in lines[0]

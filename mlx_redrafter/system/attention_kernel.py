@@ -36,6 +36,7 @@ _expected = False
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "csrc", "attention.cpp")
+STAMP = os.path.join(HERE, "_attention.mlx-version")  # the MLX version the library was built against
 
 
 def requested() -> bool:
@@ -64,6 +65,10 @@ def load(threads: int, expected: bool) -> str:
     if not glob.glob(os.path.join(HERE, "_attention*.so")):
         _problem = "the attention kernel is not built (mlx_redrafter/system/_attention*.so)"
         return _problem
+    built, now = built_for(), _mlx_version()
+    if built != now:  # MLX's C++ classes may have changed: loading it could crash the process
+        _problem = f"the attention kernel was built for MLX {built or 'unknown'}, this is MLX {now}"
+        return _problem
     try:
         from mlx_redrafter.system import _attention  # type: ignore[attr-defined]
     except ImportError as e:  # built against another MLX, or no nanobind ABI in common
@@ -74,10 +79,31 @@ def load(threads: int, expected: bool) -> str:
         return _problem
     _attention.set_threads(max(1, threads))
     _kernel = _attention
-    bad = _self_check()
+    try:
+        bad = _self_check()
+    except Exception as e:  # e.g. a nanobind that does not share MLX's array type: the call is refused
+        bad = f"{type(e).__name__}: {e}"
     if bad:
         _kernel, _problem = None, f"the attention kernel disagrees with MLX's attention ({bad})"
     return _problem
+
+
+def _mlx_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mlx")
+    except PackageNotFoundError:
+        return ""
+
+
+def built_for() -> str:
+    """The MLX version the kernel was built against ('' if unknown)."""
+    try:
+        with open(STAMP) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def active() -> bool:
@@ -174,6 +200,8 @@ def build(verbose: bool = True) -> bool:
               + res.stderr[-2000:], file=sys.stderr)
         return False
     os.replace(tmp, out)
+    with open(STAMP, "w") as f:
+        f.write(_mlx_version() + "\n")
     return True
 
 
