@@ -9,7 +9,8 @@ not built, does not load, or fails its self-check, attention runs on MLX's own o
 function to float rounding, slower: one line on stderr says so where the kernel was expected).
 Switch: REDRAFTER_ATTENTION_KERNEL=auto (default) | off.
 
-Importing this module changes nothing; `blas.install()` calls `load()` once MLX is safe to import.
+Importing this module changes nothing; `blas.install()` reads the switch and calls `load()` once MLX is safe to
+import.
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-from mlx_redrafter.errors import UserError
-
-_OFF = ("off", "0", "none", "false")
-CHOICES = ("auto", "on", "1", "true", *_OFF)
 VERSION = 1  # the kernel build's version (its speed), shown in blas=...+attn1
 _kernel: ModuleType | None = None
 _problem = ""
@@ -37,14 +34,6 @@ _expected = False
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "csrc", "attention.cpp")
 STAMP = os.path.join(HERE, "_attention.mlx-version")  # the MLX version the library was built against
-
-
-def requested() -> bool:
-    """REDRAFTER_ATTENTION_KERNEL is not off. Raises UserError for a value it does not take."""
-    value = os.environ.get("REDRAFTER_ATTENTION_KERNEL", "auto").strip().lower()
-    if value not in CHOICES:
-        raise UserError(f"REDRAFTER_ATTENTION_KERNEL={value!r} is not one of auto, off: unset it or set one of those")
-    return value not in _OFF
 
 
 def expected() -> bool:
@@ -60,8 +49,6 @@ def load(threads: int, expected: bool) -> str:
     if _tried:
         return _problem
     _tried, _expected = True, expected
-    if not requested():
-        return ""
     if not glob.glob(os.path.join(HERE, "_attention*.so")):
         _problem = "the attention kernel is not built (mlx_redrafter/system/_attention*.so)"
         return _problem

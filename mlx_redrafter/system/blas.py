@@ -36,6 +36,7 @@ _OFF = ("off", "0", "none", "false")
 _ON = ("auto", "on", "1", "true")
 BLAS_CHOICES = ("auto", "mkl", "openblas", *_OFF)
 SMALL_GEMM_CHOICES = (*_ON, *_OFF)
+ATTENTION_KERNEL_CHOICES = ("auto", *_OFF, *_ON[1:])
 
 
 @dataclass
@@ -82,6 +83,11 @@ def blas_choice() -> str:
     """REDRAFTER_BLAS: 'auto', 'mkl', 'openblas' or 'off' (any of its spellings maps to 'off')."""
     value = _switch("REDRAFTER_BLAS", BLAS_CHOICES)
     return "off" if value in _OFF else value
+
+
+def attention_kernel_requested() -> bool:
+    """REDRAFTER_ATTENTION_KERNEL is on (auto, the default) rather than off."""
+    return _switch("REDRAFTER_ATTENTION_KERNEL", ATTENTION_KERNEL_CHOICES) not in _OFF
 
 
 def small_gemm_requested() -> bool:
@@ -157,7 +163,7 @@ def install() -> BlasStatus:
     if _status.installed:
         return _status
     choice, want_small = blas_choice(), small_gemm_requested()  # unknown switch values fail before anything loads
-    want_attention = attention_kernel.requested()
+    want_attention = attention_kernel_requested()
     st = BlasStatus(installed=True)
     if platform.system() != "Linux":
         _status = st
@@ -189,7 +195,7 @@ def install() -> BlasStatus:
         st.small_gemm_version = _small.redrafter_gemm_version() if hasattr(_small, "redrafter_gemm_version") else 1
     _self_check(st)
     if want_attention:
-        expected = platform.machine() in ("x86_64", "AMD64") and _cpu_has_kernel_features()
+        expected = x86 and _cpu_has_kernel_features()
         missing = attention_kernel.load(_env_threads(), expected)
         st.attention_kernel = attention_kernel.active()
         if missing and expected and not st.problem:

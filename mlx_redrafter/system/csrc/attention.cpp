@@ -15,7 +15,6 @@
 // 256), mask (B or 1, 1, N or G * N or 1, S) bool; any strides (a copy is made where the last axis is strided).
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
