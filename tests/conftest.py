@@ -14,11 +14,24 @@ install_blas()  # as every entry point does: before any test module imports mlx.
 os.environ.setdefault("REDRAFTER_SETTLE_S", "0")
 
 
+_loaded: list = []  # the session's target once a test asked for it
+
+
 @pytest.fixture(scope="session")
 def target():
     from mlx_redrafter.models.loader import load_target
 
-    return load_target(None, "float32")
+    _loaded.append(load_target(None, "float32"))
+    return _loaded[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bare_target_per_module():
+    """Each test module starts with the session's target returning its last state alone. Pairing the target with
+    a drafter that fuses target layers (the shipped one does) makes its forward return those layers too, and that
+    must not leak into whichever module a worker runs next."""
+    for t in _loaded:
+        t.model.feature_layers = ()
 
 
 @pytest.fixture(scope="session")
