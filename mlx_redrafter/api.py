@@ -20,6 +20,7 @@ from mlx_redrafter.batch.budget import CostCurve
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.base import Allocator
+from mlx_redrafter.draft.half_weights import use_half_weights
 from mlx_redrafter.draft.kinds import AnyDrafter, draft_kind, load_any_drafter
 from mlx_redrafter.draft.modes import Mode
 from mlx_redrafter.draft.redrafter import (
@@ -111,6 +112,8 @@ def _load_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None, 
         _say_once(f"drafter {name} is {drafter.args.quantization['bits']}-bit quantized: dequantized to float32 "
                   f"(a float32 target on a CPU backend, where quantized matmuls are slow)")
         drafter = dequantize_drafter(drafter)
+    if isinstance(drafter, Drafter) and act == mx.float32:
+        use_half_weights(drafter)  # on a CPU with our kernel: the drafts of these weights, read at half the bytes
     return drafter, name
 
 

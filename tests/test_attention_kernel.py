@@ -2,12 +2,11 @@
 query's output independent of the keys it may not see, and decoding through it identical to decoding without it."""
 
 import os
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from kernels import require, without
 
 from mlx_redrafter.generate import collect, generate_ar
 from mlx_redrafter.model import attention, grouped_mask
@@ -15,30 +14,15 @@ from mlx_redrafter.system import attention_kernel
 from mlx_redrafter.system.blas import status
 
 # conftest installed the BLAS (and, with the switch on, loaded the kernel) before this module imported mlx.core.
-EXPECTED = attention_kernel.expected()
+KERNEL = attention_kernel.KERNEL
+EXPECTED = KERNEL.expected
 ISAS = ["best", "avx2"]
 
 
 @pytest.fixture
 def kernel():
-    """Fails where the kernel is expected and not active; skips elsewhere."""
-    if not attention_kernel.active():
-        if EXPECTED:
-            pytest.fail(f"the attention kernel is not active on a machine it is built for: {status().problem} "
-                        "(make setup builds it)")
-        pytest.skip("the attention kernel is not built for this machine")
+    require(KERNEL)
     return attention_kernel
-
-
-class without_kernel:
-    """MLX's own attention path inside."""
-
-    def __enter__(self):
-        self.k = attention_kernel._kernel
-        attention_kernel._kernel = None
-
-    def __exit__(self, *exc):
-        attention_kernel._kernel = self.k
 
 
 def reference(scores, v, scale, n, mask):
@@ -57,9 +41,9 @@ def reference(scores, v, scale, n, mask):
 
 
 def test_the_kernel_is_active_where_it_is_expected():
-    assert attention_kernel.active() or not EXPECTED
-    if attention_kernel.active():
-        assert status().describe().endswith(f"+attn{attention_kernel.VERSION}")
+    assert KERNEL.active() or not EXPECTED
+    if KERNEL.active():
+        assert f"+attn{attention_kernel.VERSION}" in status().describe()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -71,7 +55,7 @@ def test_matches_float64(kernel, isa, B, h_kv, G, N, S, D):
     scores = mx.array(rng.standard_normal((B, h_kv, G * N, S), dtype=np.float32) * 8)
     v = mx.array(rng.standard_normal((B, h_kv, S, D), dtype=np.float32))
     mask = mx.array(rng.random((B, 1, N, S)) > 0.4)
-    with kernel.use_isa(isa):
+    with KERNEL.use_isa(isa):
         for m in (None, mask, mx.tile(mask, (1, 1, G, 1)), mask[:1]):
             got = np.array(kernel.softmax_values(scores, v, 0.125, N, m))
             want = reference(scores, v, 0.125, N, m)
@@ -88,7 +72,7 @@ def test_a_query_ignores_the_keys_it_may_not_see_to_the_bit(kernel, isa):
     v = rng.standard_normal((B, h_kv, S + extra, 64), dtype=np.float32)
     mask = rng.random((B, 1, N, S)) > 0.3
     wide = np.concatenate([mask, np.zeros((B, 1, N, extra), bool)], axis=-1)
-    with kernel.use_isa(isa):
+    with KERNEL.use_isa(isa):
         short = kernel.softmax_values(mx.array(scores[..., :S]), mx.array(v[:, :, :S]), 0.125, N, mx.array(mask))
         long = kernel.softmax_values(mx.array(scores), mx.array(v), 0.125, N, mx.array(wide))
         assert np.array_equal(np.array(short), np.array(long))
@@ -128,7 +112,7 @@ def test_model_attention_agrees_with_mlx_path(kernel):
     v = mx.array(rng.standard_normal((4, 3, 90, 64), dtype=np.float32))[:, :, :77]
     mask = mx.array(rng.random((4, 1, 3, 77)) > 0.2)
     got = attention(q, k, v, 0.125, mask)
-    with without_kernel():
+    with without(KERNEL):
         want = attention(q, k, v, 0.125, grouped_mask(mask, 3, 3))
     assert np.abs(np.array(got) - np.array(want)).max() < 1e-5
 
@@ -136,17 +120,9 @@ def test_model_attention_agrees_with_mlx_path(kernel):
 def test_decoding_is_the_same_with_and_without_the_kernel(kernel, target, chat_ids):
     model, eos = target.model, target.tokenizer.eos_ids
     with_k, _ = collect(generate_ar(model, chat_ids[0], max_tokens=48, eos_ids=eos))
-    with without_kernel():
-        without, _ = collect(generate_ar(model, chat_ids[0], max_tokens=48, eos_ids=eos))
-    assert with_k == without
-
-
-def test_off_switch_leaves_mlx_path():
-    env = dict(os.environ, REDRAFTER_ATTENTION_KERNEL="off")
-    code = ("import mlx_redrafter; s = mlx_redrafter.install_blas(); "
-            "from mlx_redrafter.system import attention_kernel as a; print(a.active(), '+attn' in s.describe())")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0 and res.stdout.split() == ["False", "False"] and "warning" not in res.stderr
+    with without(KERNEL):
+        mlx_path, _ = collect(generate_ar(model, chat_ids[0], max_tokens=48, eos_ids=eos))
+    assert with_k == mlx_path
 
 
 def test_threads_share_the_rows_without_changing_a_bit(kernel):
@@ -156,22 +132,10 @@ def test_threads_share_the_rows_without_changing_a_bit(kernel):
     v = mx.array(rng.standard_normal((1, 3, 300, 64), dtype=np.float32))
     mask = mx.array(np.tril(np.ones((70, 300), bool), k=230)[None, None])
     try:
-        kernel.set_threads(1)
+        KERNEL.set_threads(1)
         one = np.array(kernel.softmax_values(scores, v, 0.125, 70, mask))
-        kernel.set_threads(2)
+        KERNEL.set_threads(2)
         two = np.array(kernel.softmax_values(scores, v, 0.125, 70, mask))
     finally:
-        kernel.set_threads(int(os.environ.get("REDRAFTER_THREADS", os.cpu_count() or 1)))
+        KERNEL.set_threads(int(os.environ.get("REDRAFTER_THREADS", os.cpu_count() or 1)))
     assert np.array_equal(one, two)
-
-
-@pytest.mark.skipif(not EXPECTED, reason="the kernel is not built for this machine")
-def test_a_kernel_built_for_another_mlx_is_not_loaded_and_one_warning_line_says_so():
-    code = ("from mlx_redrafter.system import attention_kernel as a; a.built_for = lambda: '0.0.1'; "
-            "import mlx_redrafter; s = mlx_redrafter.install_blas(); print(a.active(), '+attn' in s.describe())")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDRAFTER_ATTENTION")}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0 and res.stdout.split() == ["False", "False"], res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("warning: the attention kernel was built for MLX 0.0.1"), lines
-    assert "python -m mlx_redrafter.system.attention_kernel" in lines[0]

@@ -75,7 +75,8 @@ def test_a_missing_kernel_is_one_warning_line_and_the_cli_still_runs(tmp_path):
 
 @pytest.mark.parametrize("var, value, allowed", [("REDRAFTER_BLAS", "mkk", "auto, mkl, openblas, off"),
                                                  ("REDRAFTER_SMALL_GEMM", "offf", "auto, on"),
-                                                 ("REDRAFTER_ATTENTION_KERNEL", "fast", "auto, off")])
+                                                 ("REDRAFTER_ATTENTION_KERNEL", "fast", "auto, off"),
+                                                 ("REDRAFTER_HALF_WEIGHTS", "half", "auto, off")])
 def test_an_unknown_switch_value_is_one_error_line(tmp_path, var, value, allowed):
     for args in ([*CLI, "generate", "--help"], [*BENCH, "sweep", "--help"]):
         p = run(args, tmp_path, **{var: value}, PYTHONPATH=str(REPO))
@@ -87,5 +88,33 @@ def test_the_json_record_holds_the_full_blas_status(tmp_path):
     assert p.returncode == 0, p.stderr
     full = json.loads(p.stdout.splitlines()[-1])["blas_status"]
     assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_version", "small_gemm_expected",
-                         "attention_kernel", "problem"}
+                         "attention_kernel", "half_weights", "problem"}
     assert full["installed"] and full["small_gemm"] == EXPECTED
+
+
+KERNELS = [("attention_kernel", "REDRAFTER_ATTENTION_KERNEL", "+attn", "the attention kernel"),
+           ("half_linear", "REDRAFTER_HALF_WEIGHTS", "+half", "the float16-weight kernel")]
+
+
+@pytest.mark.parametrize("module, switch, tag, what", KERNELS)
+def test_an_extension_switched_off_is_not_loaded_and_says_nothing(module, switch, tag, what):
+    code = ("import mlx_redrafter; s = mlx_redrafter.install_blas(); "
+            f"from mlx_redrafter.system import {module} as k; print(k.KERNEL.active(), '{tag}' in s.describe())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, **{switch: "off"}))
+    assert res.returncode == 0 and res.stdout.split() == ["False", "False"] and "warning" not in res.stderr
+
+
+@pytest.mark.parametrize("module, switch, tag, what", KERNELS)
+def test_an_extension_built_for_another_mlx_is_not_loaded_and_one_warning_line_says_so(module, switch, tag, what):
+    if not EXPECTED:
+        pytest.skip("our kernels are not built for this machine")
+    code = (f"from mlx_redrafter.system import {module} as k; k.KERNEL.built_for = lambda: '0.0.1'; "
+            "import mlx_redrafter; s = mlx_redrafter.install_blas(); "
+            f"print(k.KERNEL.active(), '{tag}' in s.describe())")
+    env = {k: v for k, v in os.environ.items() if k != switch}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["False", "False"], res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {what} was built for MLX 0.0.1"), lines
+    assert f"python -m mlx_redrafter.system.{module}" in lines[0] and f"{switch}=off" in lines[0]

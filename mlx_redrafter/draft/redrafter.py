@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_redrafter.draft.beam_search import BeamSource
+from mlx_redrafter.draft.half_weights import linear
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import fsync_tree, read_json
 from mlx_redrafter.model import post_norm_state
@@ -147,7 +148,7 @@ class ResBlock(nn.Module):
         self.linear = nn.Linear(dim, dim, bias=True)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x + nn.silu(self.linear(x))
+        return x + nn.silu(linear(self.linear, x))
 
 
 class Drafter(nn.Module):
@@ -183,26 +184,26 @@ class Drafter(nn.Module):
             raise UserError(f"this drafter reads target layers {self.args.feature_layers} besides the last, but the "
                             f"hidden states it was given hold {hidden.shape[-1] // H - 1} tapped layer(s): call "
                             f"read_features(model, drafter) before decoding (resolve_drafter does)")
-        return self.fuse(hidden)
+        return linear(self.fuse, hidden)
 
     def next_state(self, state: mx.array, token_emb: mx.array) -> mx.array:
         """RNN update with the embedding of the last drafted token: (..., H) -> (..., H)."""
         if self.args.rnn:
-            return nn.silu(self.rnn_w(token_emb) + self.rnn_u(state))
+            return nn.silu(linear(self.rnn_w, token_emb) + linear(self.rnn_u, state))
         return state + token_emb
 
     def features(self, context: mx.array, state: mx.array) -> mx.array:
         """The vocabulary projection's input from [context ; state]: (..., 2H) -> (..., E)."""
         x = mx.concatenate([context, state], axis=-1)
         if "input_proj" in self:
-            x = self.input_proj(x)
+            x = linear(self.input_proj, x)
         for layer in self.lm_head[:-1]:
             x = layer(x)
         return x
 
     def logits(self, context: mx.array, state: mx.array) -> mx.array:
         """Head logits from [context ; state]: (..., 2H) -> (..., K) (K = vocab or draft vocab)."""
-        return self.lm_head[-1](self.features(context, state))
+        return linear(self.lm_head[-1], self.features(context, state))
 
     def token_ids(self, head_index: mx.array) -> mx.array:
         """Map head output indices to target token ids (identity for a full-vocab head)."""
@@ -248,6 +249,9 @@ class FrequentHead:
     def logits(self, context: mx.array, state: mx.array) -> mx.array:
         """(..., 2H) -> (..., rows)."""
         x, head = self.drafter.features(context, state), self.drafter.lm_head[-1]
+        half = getattr(head, "half", None)
+        if half is not None and half.current():
+            return half(x, self.rows)
         if len(self.parts) == 3:  # quantized: rows are independent, so the first rows of each part
             return mx.quantized_matmul(x, *self.parts, transpose=True, group_size=head.group_size, bits=head.bits)
         return x @ self.parts[0].T
