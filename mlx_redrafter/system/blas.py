@@ -8,7 +8,10 @@ On x86-64 with AVX-512 or AVX2 + FMA a small library of ours (csrc/smallgemm.c, 
 cblas_sgemm computes the products of few rows (decode and verification steps) by streaming each weight once,
 and hands everything else to the BLAS (MLX's bundled one when REDRAFTER_BLAS=off).
 Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
-Other values of either switch are refused (a UserError naming the variable and the values it takes).
+Then our MLX primitives are loaded (`system/extension.py`; each checked against MLX's own operations): the attention
+kernel (attention_kernel.py; REDRAFTER_ATTENTION_KERNEL=auto | off) and the float16-weight product drafters use
+(half_linear.py; REDRAFTER_HALF_WEIGHTS=auto | off).
+Other values of any switch are refused (a UserError naming the variable and the values it takes).
 
 Importing this package changes nothing: the command line, the benchmark and the tests call `install()` before
 anything imports mlx.core; a Python program does the same (`mlx_redrafter.install_blas()`). `install` checks a
