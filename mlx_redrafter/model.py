@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.system import attention_kernel
+from mlx_redrafter.system import attention_kernel, packed_linear
 
 
 @dataclass
@@ -174,6 +174,52 @@ def held(pairs: list[tuple[nn.Module, mx.array]]) -> bool:
     return all(module["weight"] is w for module, w in pairs)
 
 
+class PackedWeights:
+    """A float32 layer's weight as the quantized weight it was dequantized from (MLX's affine quantization: packed
+    values, float32 scales and biases), for `packed_linear`'s products: the bits of the float32 product at a quarter
+    (4-bit) or half (8-bit) of the bytes. Serves while the kernel takes the call (`takes`)."""
+
+    def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
+                 source: mx.array | None = None):
+        self.weight, self.scales, self.biases = weight, scales.astype(mx.float32), biases.astype(mx.float32)
+        self.bits, self.group_size = bits, group_size
+        self.source = source  # the float32 weight it stands for (a layer that holds another no longer uses it)
+        mx.eval(self.weight, self.scales, self.biases)
+
+    @classmethod
+    def attach(cls, layer: nn.Module, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
+               group_size: int) -> None:
+        """Give a float32 `nn.Linear` or `nn.Embedding` (its vocabulary projection) the quantized weight its
+        float32 weight was dequantized from."""
+        layer.packed = cls(weight, scales, biases, bits, group_size, layer.weight)
+
+    def current(self, layer: nn.Module) -> bool:
+        return layer["weight"] is self.source
+
+    @staticmethod
+    def supported(bits: int, group_size: int) -> bool:
+        """4- or 8-bit, groups of a multiple of 16 values, and a kernel whose sums have the float32 products' order
+        (AVX-512: the small-GEMM kernel's; elsewhere the BLAS may sum in another order past a few rows)."""
+        return (bits in (4, 8) and group_size % 16 == 0 and packed_linear.usable()
+                and packed_linear.KERNEL.isa == "avx512")
+
+    @staticmethod
+    def takes(x: mx.array) -> bool:
+        """Whether a product of x (..., K) reads the packed weight: few rows (a prefill's arithmetic dominates)."""
+        return packed_linear.usable() and math.prod(x.shape[:-1]) <= packed_linear.MAX_ROWS
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return packed_linear.quantized_product(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
+
+    @classmethod
+    def stacked(cls, parts: list[PackedWeights]) -> PackedWeights | None:
+        """The rows of several packed weights as one (a fused product's), or None if their formats differ."""
+        if len({(p.bits, p.group_size) for p in parts}) != 1:
+            return None
+        return cls(*(mx.concatenate([getattr(p, k) for p in parts]) for k in ("weight", "scales", "biases")),
+                   parts[0].bits, parts[0].group_size)
+
+
 class FusedLinear:
     """One or several bias-free or all-biased `nn.Linear`s over the same input as one matrix product with a
     pre-transposed weight: fewer, larger products (one pass over the weights instead of several) and fewer graph
@@ -183,6 +229,10 @@ class FusedLinear:
 
     def __init__(self, layers: list[nn.Linear]):
         self.layers = layers
+        parts = [layer.packed if getattr(layer, "packed", None) is not None and layer.packed.current(layer)
+                 else None for layer in layers]
+        self.packed = (PackedWeights.stacked(parts) if "bias" not in layers[0] and None not in parts
+                       else None)  # the quantized source of the float32 weight, where the model has one
         self.weight = mx.concatenate([layer.weight for layer in layers])  # (sum of outputs, in)
         self.bias = mx.concatenate([layer.bias for layer in layers]) if "bias" in layers[0] else None
         self.weight_t = self.weight.T  # a view: the product reads the weight as it is stored
@@ -210,6 +260,8 @@ class FusedLinear:
 
     def product(self, x: mx.array) -> mx.array:
         """x @ (the layers' weights, stacked)^T (+ bias): every layer's outputs side by side."""
+        if self.packed is not None and PackedWeights.takes(x):
+            return self.packed(x)
         return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
 
     def __call__(self, x: mx.array) -> list[mx.array]:
@@ -344,33 +396,51 @@ class CompiledLayer:
         eps, inv_dim, hidden = args.rms_norm_eps, 1.0 / args.hidden_size, args.intermediate_size
         self.scale = args.head_dim**-0.5
 
-        def before(x, norm_w, qkv_t, cos, sin, spread=None):
-            shape = cos.shape[:2]
-            qk, v = mx.split(_rms_norm_compiled(x, norm_w, eps, inv_dim) @ qkv_t, [(h + h_kv) * D], axis=-1)
-            q, k = mx.split(apply_rope(rows_of(qk, shape, h + h_kv, spread), cos, sin), [h], axis=2)
-            v = rows_of(v, shape, h_kv, spread)
-            return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        def functions(mm):  # mm(x, w): a product with a weight as the functions take it
+            def before(x, norm_w, qkv, cos, sin, spread=None):
+                shape = cos.shape[:2]
+                qk, v = mx.split(mm(_rms_norm_compiled(x, norm_w, eps, inv_dim), qkv), [(h + h_kv) * D], axis=-1)
+                q, k = mx.split(apply_rope(rows_of(qk, shape, h + h_kv, spread), cos, sin), [h], axis=2)
+                v = rows_of(v, shape, h_kv, spread)
+                return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-        def after(x, out, o_t, norm_w, gate_up_t, down_t, gather=None):
-            h1 = x + tokens_of(out, gather) @ o_t
-            g, u = mx.split(_rms_norm_compiled(h1, norm_w, eps, inv_dim) @ gate_up_t, [hidden], axis=-1)
-            return h1 + _silu_mul_cpu(g, u) @ down_t
+            def after(x, out, o, norm_w, gate_up, down, gather=None):
+                h1 = x + mm(tokens_of(out, gather), o)
+                g, u = mx.split(mm(_rms_norm_compiled(h1, norm_w, eps, inv_dim), gate_up), [hidden], axis=-1)
+                return h1 + mm(_silu_mul_cpu(g, u), down)
 
-        self.before, self.after = mx.compile(before), mx.compile(after)
-        self.before_ragged, self.after_ragged = mx.compile(before), mx.compile(after)  # with the layout's index
+            # plain and ragged (with the layout's index) traced apart
+            return mx.compile(before), mx.compile(after), mx.compile(before), mx.compile(after)
+
+        self.functions = functions(lambda x, w_t: x @ w_t)
         self.weights: list[tuple[mx.array, ...]] | None = []  # per layer: what its two functions read
+        self.packed_functions, self.packed_weights = None, None  # the same from quantized weights (PackedWeights)
         self.held: list[tuple[nn.Module, mx.array]] = []  # (module, its weight when built): checked every call
+        packed: list[tuple] | None = []
+        formats: set[tuple[int, int]] = set()
         for b in blocks:
             a, p = b.self_attn, b.mlp
             fused = (a.qkv, a.o, p.gate_up, p.down)
             if any(f is None or f.bias is not None for f in fused) or len(p.gate_up.splits) != 1:
                 self.weights = None
                 break
-            self.weights.append((b.input_layernorm.weight, a.qkv.weight_t, a.o.weight_t,
-                                 b.post_attention_layernorm.weight, p.gate_up.weight_t, p.down.weight_t))
+            norms = (b.input_layernorm.weight, b.post_attention_layernorm.weight)
+            self.weights.append((norms[0], a.qkv.weight_t, a.o.weight_t, norms[1], p.gate_up.weight_t,
+                                 p.down.weight_t))
+            if packed is not None and all(f.packed is not None for f in fused):
+                q = [(f.packed.weight, f.packed.scales, f.packed.biases) for f in fused]
+                packed.append((norms[0], q[0], q[1], norms[1], q[2], q[3]))
+                formats |= {(f.packed.bits, f.packed.group_size) for f in fused}
+            else:
+                packed = None
             self.held += [pair for f in fused for pair in f.held]
             self.held += [(b.input_layernorm, b.input_layernorm.weight),
                           (b.post_attention_layernorm, b.post_attention_layernorm.weight)]
+        if self.weights is not None and packed and len(formats) == 1:
+            bits, group = formats.pop()
+            self.packed_weights = packed
+            self.packed_functions = functions(
+                lambda x, w: packed_linear.quantized_product(x, *w, bits, group))
 
     def usable(self, tokens: int) -> bool:
         """Whether a call of `tokens` tokens per row runs through the compiled functions now."""
@@ -381,16 +451,18 @@ class CompiledLayer:
                  cache: KVCache, ragged: Ragged | None = None) -> mx.array:
         """Layer `layer` on x (B * N, dim) -> (B * N, dim) (ragged rows: (T, dim) -> (T, dim)), as
         `TransformerBlock` computes it."""
-        norm1, qkv_t, o_t, norm2, gate_up_t, down_t = self.weights[layer]
+        packed = self.packed_weights is not None and PackedWeights.takes(x)
+        before, after, before_ragged, after_ragged = self.packed_functions if packed else self.functions
+        norm1, qkv, o, norm2, gate_up, down = (self.packed_weights if packed else self.weights)[layer]
         if ragged is None:
-            q, k, v = self.before(x, norm1, qkv_t, *rope)
+            q, k, v = before(x, norm1, qkv, *rope)
         else:
-            q, k, v = self.before_ragged(x, norm1, qkv_t, *rope, ragged.spread)
+            q, k, v = before_ragged(x, norm1, qkv, *rope, ragged.spread)
         keys, values = cache.write(layer, k, v)
         out = attention(q, keys, values, self.scale, mask)
         if ragged is None:
-            return self.after(x, out, o_t, norm2, gate_up_t, down_t)
-        return self.after_ragged(x, out, o_t, norm2, gate_up_t, down_t, ragged.gather)
+            return after(x, out, o, norm2, gate_up, down)
+        return after_ragged(x, out, o, norm2, gate_up, down, ragged.gather)
 
 
 class LlamaModel(nn.Module):
@@ -477,6 +549,10 @@ class Model(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits from post-norm hidden states."""
+        layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        packed = getattr(layer, "packed", None)
+        if packed is not None and packed.current(layer) and PackedWeights.takes(hidden):
+            return packed(hidden)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)

@@ -76,7 +76,7 @@ def test_a_missing_kernel_is_one_warning_line_and_the_cli_still_runs(tmp_path):
 @pytest.mark.parametrize("var, value, allowed", [("REDRAFTER_BLAS", "mkk", "auto, mkl, openblas, off"),
                                                  ("REDRAFTER_SMALL_GEMM", "offf", "auto, on"),
                                                  ("REDRAFTER_ATTENTION_KERNEL", "fast", "auto, off"),
-                                                 ("REDRAFTER_HALF_WEIGHTS", "half", "auto, off")])
+                                                 ("REDRAFTER_PACKED_WEIGHTS", "packed", "auto, off")])
 def test_an_unknown_switch_value_is_one_error_line(tmp_path, var, value, allowed):
     for args in ([*CLI, "generate", "--help"], [*BENCH, "sweep", "--help"]):
         p = run(args, tmp_path, **{var: value}, PYTHONPATH=str(REPO))
@@ -88,12 +88,12 @@ def test_the_json_record_holds_the_full_blas_status(tmp_path):
     assert p.returncode == 0, p.stderr
     full = json.loads(p.stdout.splitlines()[-1])["blas_status"]
     assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_version", "small_gemm_expected",
-                         "attention_kernel", "half_weights", "problem"}
+                         "attention_kernel", "packed_weights", "problem"}
     assert full["installed"] and full["small_gemm"] == EXPECTED
 
 
 KERNELS = [("attention_kernel", "REDRAFTER_ATTENTION_KERNEL", "+attn", "the attention kernel"),
-           ("half_linear", "REDRAFTER_HALF_WEIGHTS", "+half", "the float16-weight kernel")]
+           ("packed_linear", "REDRAFTER_PACKED_WEIGHTS", "+packed", "the packed-weight kernel")]
 
 
 @pytest.mark.parametrize("module, switch, tag, what", KERNELS)
@@ -118,3 +118,21 @@ def test_an_extension_built_for_another_mlx_is_not_loaded_and_one_warning_line_s
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"warning: {what} was built for MLX 0.0.1"), lines
     assert f"python -m mlx_redrafter.system.{module}" in lines[0] and f"{switch}=off" in lines[0]
+
+
+@pytest.mark.parametrize("module", ["attention_kernel", "packed_linear"])
+def test_decoding_is_the_same_with_and_without_each_kernel(module, target, chat_ids):
+    import importlib
+
+    from kernels import require, without
+
+    from mlx_redrafter.generate import collect, generate_ar
+
+    ext = importlib.import_module(f"mlx_redrafter.system.{module}").KERNEL
+    require(ext)
+    model, eos = target.model, target.tokenizer.eos_ids
+    fast, _ = collect(generate_ar(model, chat_ids[0], max_tokens=48, eos_ids=eos))
+    with without(ext):
+        plain, _ = collect(generate_ar(model, chat_ids[0], max_tokens=48, eos_ids=eos))
+    assert fast == plain
+

@@ -1,5 +1,5 @@
-"""Float16 copies of a float32 drafter's weights, for drafting on a CPU with our float16-weight product
-(`system/half_linear.py`: half the bytes read per drafted token, the drafter's main cost there).
+"""Float16 copies of a float32 drafter's weights, for drafting on a CPU with our packed-weight product
+(`system/packed_linear.py`: half the bytes read per drafted token, the drafter's main cost there).
 
 Only a weight that float16 holds exactly gets a copy, so a drafter drafts what its float32 weights draft (the sums
 may round differently in the last bit). A copy serves while its layer still holds the weight it was made from
@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_redrafter.system import half_linear
+from mlx_redrafter.system import packed_linear
 
 
 class HalfWeights:
@@ -23,13 +23,13 @@ class HalfWeights:
 
     def current(self) -> bool:
         """The layer still holds the weight this copy was made from, and the kernel is usable."""
-        return self.layer["weight"] is self.source and half_linear.usable()
+        return self.layer["weight"] is self.source and packed_linear.usable()
 
     def __call__(self, x: mx.array, rows: int | None = None) -> mx.array:
         """x (..., K) -> (..., N) (the first `rows` outputs only: a head cut to its most frequent rows)."""
         if rows is None:
-            return half_linear.product(x, self.weight, self.bias)
-        return half_linear.product(x, self.weight[:rows], None if self.bias is None else self.bias[:rows])
+            return packed_linear.half_product(x, self.weight, self.bias)
+        return packed_linear.half_product(x, self.weight[:rows], None if self.bias is None else self.bias[:rows])
 
 
 def linear(layer: nn.Module, x: mx.array) -> mx.array:
@@ -41,7 +41,7 @@ def linear(layer: nn.Module, x: mx.array) -> mx.array:
 def use_half_weights(drafter: nn.Module) -> int:
     """Give every float32 `nn.Linear` of `drafter` whose weight float16 holds exactly a float16 copy, where the
     kernel is usable (for decoding: the copies have no gradient); returns how many layers got one."""
-    if not half_linear.usable():
+    if not packed_linear.usable():
         return 0
     count = 0
     for _, layer in drafter.named_modules():

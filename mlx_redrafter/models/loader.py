@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json
-from mlx_redrafter.model import Model, ModelArgs
+from mlx_redrafter.model import Model, ModelArgs, PackedWeights
 from mlx_redrafter.models import hub, registry, safetensors_header
 from mlx_redrafter.models.config import check_model_config, quantization
 from mlx_redrafter.models.gguf import gguf_weights, read_gguf
@@ -124,13 +124,28 @@ def build_model(cfg: dict[str, Any], weights: dict[str, mx.array], quant: dict[s
             weights = {k: (v.astype(act) if k.rsplit(".", 1)[0] not in quant and mx.issubdtype(v.dtype, mx.floating)
                            else v) for k, v in weights.items()}
         else:
+            source = weights
             weights = dequantize_weights(weights, quant, DTYPES[dtype])
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"model weights do not match a Llama model: {str(e).splitlines()[0]}") from None
     mx.eval(model.parameters())
+    if dtype == "float32":
+        keep_packed(model, source, quant)
     model.fuse_projections()
     return model
+
+
+def keep_packed(model: Model, weights: dict[str, mx.array], quant: dict[str, dict]) -> None:
+    """Beside each float32 weight dequantized from a format our packed-weight kernel reads, keep the quantized
+    weight: decoding steps read it instead (`model.PackedWeights`: the same bits, a quarter or half of the bytes)."""
+    modules = dict(model.named_modules())
+    for path, q in quant.items():
+        layer, scales, biases = modules.get(path), weights[path + ".scales"], weights.get(path + ".biases")
+        exact = scales.dtype in (mx.float16, mx.bfloat16) and biases is not None and biases.dtype == scales.dtype
+        if layer is None or not exact or not PackedWeights.supported(q["bits"], q["group_size"]):
+            continue  # (float32 scales: scale x q would round, and the products would not have the float32 bits)
+        PackedWeights.attach(layer, weights[path + ".weight"], scales, biases, q["bits"], q["group_size"])
 
 
 def _load_dir(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, dict], TextTokenizer]:

@@ -9,8 +9,8 @@ cblas_sgemm computes the products of few rows (decode and verification steps) by
 and hands everything else to the BLAS (MLX's bundled one when REDRAFTER_BLAS=off).
 Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
 Then our MLX primitives are loaded (`system/extension.py`; each checked against MLX's own operations): the attention
-kernel (attention_kernel.py; REDRAFTER_ATTENTION_KERNEL=auto | off) and the float16-weight product drafters use
-(half_linear.py; REDRAFTER_HALF_WEIGHTS=auto | off).
+kernel (attention_kernel.py; REDRAFTER_ATTENTION_KERNEL=auto | off) and our packed-weight products
+(packed_linear.py; REDRAFTER_PACKED_WEIGHTS=auto | off).
 Other values of any switch are refused (a UserError naming the variable and the values it takes).
 
 Importing this package changes nothing: the command line, the benchmark and the tests call `install()` before
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-from mlx_redrafter.system import attention_kernel, half_linear
+from mlx_redrafter.system import attention_kernel, packed_linear
 
 _loaded: str | None = None
 _handle: ctypes.CDLL | None = None
@@ -40,7 +40,7 @@ _ON = ("auto", "on", "1", "true")
 BLAS_CHOICES = ("auto", "mkl", "openblas", *_OFF)
 SMALL_GEMM_CHOICES = (*_ON, *_OFF)
 ATTENTION_KERNEL_CHOICES = ("auto", *_OFF, *_ON[1:])
-HALF_WEIGHTS_CHOICES = ("auto", *_OFF, *_ON[1:])
+PACKED_WEIGHTS_CHOICES = ("auto", *_OFF, *_ON[1:])
 
 
 @dataclass
@@ -54,7 +54,7 @@ class BlasStatus:
     small_gemm_version: int = 0  # the kernel build's version (its speed; see csrc/smallgemm.c)
     small_gemm_expected: bool = False
     attention_kernel: bool = False  # our CPU attention kernel (attention_kernel.py) is active
-    half_weights: bool = False  # our float16-weight product for drafters (half_linear.py) is active
+    packed_weights: bool = False  # our packed-weight products (packed_linear.py) are active
     problem: str = ""  # why an expected piece is missing, or what the self-check found
 
     def describe(self) -> str:
@@ -64,8 +64,8 @@ class BlasStatus:
             name += "+smallgemm" + (str(self.small_gemm_version) if self.small_gemm_version > 1 else "")
         if self.attention_kernel:
             name += f"+attn{attention_kernel.VERSION}"
-        if self.half_weights:
-            name += f"+half{half_linear.VERSION}"
+        if self.packed_weights:
+            name += f"+packed{packed_linear.VERSION}"
         return name
 
     def as_dict(self) -> dict:
@@ -97,9 +97,9 @@ def attention_kernel_requested() -> bool:
     return _switch("REDRAFTER_ATTENTION_KERNEL", ATTENTION_KERNEL_CHOICES) not in _OFF
 
 
-def half_weights_requested() -> bool:
-    """REDRAFTER_HALF_WEIGHTS is on (auto, the default) rather than off."""
-    return _switch("REDRAFTER_HALF_WEIGHTS", HALF_WEIGHTS_CHOICES) not in _OFF
+def packed_weights_requested() -> bool:
+    """REDRAFTER_PACKED_WEIGHTS is on (auto, the default) rather than off."""
+    return _switch("REDRAFTER_PACKED_WEIGHTS", PACKED_WEIGHTS_CHOICES) not in _OFF
 
 
 def small_gemm_requested() -> bool:
@@ -175,7 +175,7 @@ def install() -> BlasStatus:
     if _status.installed:
         return _status
     choice, want_small = blas_choice(), small_gemm_requested()  # unknown switch values fail before anything loads
-    want_attention, want_half = attention_kernel_requested(), half_weights_requested()
+    want_attention, want_packed = attention_kernel_requested(), packed_weights_requested()
     st = BlasStatus(installed=True)
     if platform.system() != "Linux":
         _status = st
@@ -212,10 +212,10 @@ def install() -> BlasStatus:
         st.attention_kernel = attention_kernel.KERNEL.active()
         if missing and expected and not st.problem:
             st.problem = missing
-    if want_half:
+    if want_packed:
         expected = x86 and _cpu_has_kernel_features() and bool({"avx512f", "f16c"} & cpu_flags())
-        missing = half_linear.load(_env_threads(), expected)
-        st.half_weights = half_linear.KERNEL.active()
+        missing = packed_linear.load(_env_threads(), expected)
+        st.packed_weights = packed_linear.KERNEL.active()
         if missing and expected and not st.problem:
             st.problem = missing
     if st.problem:
@@ -227,10 +227,10 @@ def install() -> BlasStatus:
             slower = "attention runs on MLX's operations, slower"
             fix = ("build it with `make setup` (or `python -m mlx_redrafter.system.attention_kernel`), or set "
                    "REDRAFTER_ATTENTION_KERNEL=off to silence this")
-        elif "float16-weight" in st.problem:
-            slower = "drafters run on float32 products, slower"
-            fix = ("build it with `make setup` (or `python -m mlx_redrafter.system.half_linear`), or set "
-                   "REDRAFTER_HALF_WEIGHTS=off to silence this")
+        elif "packed-weight" in st.problem:
+            slower = "weight products run on float32 copies, slower"
+            fix = ("build it with `make setup` (or `python -m mlx_redrafter.system.packed_linear`), or set "
+                   "REDRAFTER_PACKED_WEIGHTS=off to silence this")
         else:
             slower, fix = "one-token decoding steps run slower", ""
         sys.stderr.write(f"warning: {st.problem}: {slower}; {fix}\n")
@@ -301,7 +301,7 @@ def set_threads(n: int) -> bool:
     if _small is not None:
         _small.redrafter_gemm_set_threads(ctypes.c_int(n))
     attention_kernel.KERNEL.set_threads(n)
-    half_linear.KERNEL.set_threads(n)
+    packed_linear.KERNEL.set_threads(n)
     for fn in ("MKL_Set_Num_Threads", "openblas_set_num_threads"):
         f = getattr(_handle, fn, None) if _handle is not None else None
         if f is not None:

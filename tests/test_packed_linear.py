@@ -1,6 +1,7 @@
-"""Our float16-weight product for drafters (x86-64 Linux with AVX-512, or AVX2 + FMA + F16C): MLX's float32
-product of the same weights, the shipped drafter drafting what its float32 weights draft, and copies that step
-aside when they no longer apply (the weights were replaced, the kernel is off)."""
+"""Our packed-weight products (x86-64 Linux with AVX-512, or AVX2 + FMA + F16C): MLX's float32 product of the same
+weights from float16 and 4- and 8-bit quantized weights; the embedded target reading its 4-bit weights with the
+bits of its float32 copies; the shipped drafter drafting what its float32 weights draft; and packed weights that
+step aside when they no longer apply (the weights were replaced, the kernel is off)."""
 
 import os
 
@@ -14,19 +15,20 @@ from mlx_redrafter import api
 from mlx_redrafter.draft.beam_search import greedy_steps
 from mlx_redrafter.draft.half_weights import linear, use_half_weights
 from mlx_redrafter.draft.redrafter import FrequentHead, load_drafter, random_drafter
+from mlx_redrafter.models.loader import load_target
 from mlx_redrafter.shipped import shipped_drafter_path
-from mlx_redrafter.system import half_linear
+from mlx_redrafter.system import packed_linear
 from mlx_redrafter.system.blas import status
 
 # conftest installed the BLAS (and, with the switch on, loaded the kernel) before this module imported mlx.core.
-KERNEL = half_linear.KERNEL
+KERNEL = packed_linear.KERNEL
 EXPECTED = KERNEL.expected
 
 
 @pytest.fixture
 def kernel():
     require(KERNEL)
-    return half_linear
+    return packed_linear
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def shipped(target):
 def test_the_kernel_is_active_where_it_is_expected():
     assert KERNEL.active() or not EXPECTED
     if KERNEL.active():
-        assert f"+half{half_linear.VERSION}" in status().describe()
+        assert f"+packed{packed_linear.VERSION}" in status().describe()
 
 
 @pytest.mark.parametrize("isa", ["best", "avx2", "base"])
@@ -56,7 +58,7 @@ def test_matches_the_float32_product(kernel, isa, M, N, K, bias):
     if bias:
         want += np.array(b, dtype=np.float64)
     with KERNEL.use_isa(isa):
-        got = np.array(kernel.product(x, w, b))
+        got = np.array(kernel.half_product(x, w, b))
     assert got.shape == (M, N) and np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
 
 
@@ -65,9 +67,9 @@ def test_leading_axes_row_slices_and_strided_inputs(kernel):
     w = mx.array(rng.standard_normal((300, 64), dtype=np.float32) * 0.1).astype(mx.float16)
     w32 = w.astype(mx.float32)
     x = mx.array(rng.standard_normal((2, 3, 64), dtype=np.float32))
-    assert np.allclose(np.array(kernel.product(x, w[:100])), np.array(x @ w32[:100].T), atol=1e-5)
+    assert np.allclose(np.array(kernel.half_product(x, w[:100])), np.array(x @ w32[:100].T), atol=1e-5)
     xt = mx.array(rng.standard_normal((64, 5), dtype=np.float32)).T  # columns: a strided x
-    assert np.allclose(np.array(kernel.product(xt, w[::2])), np.array(xt @ w32[::2].T), atol=1e-5)
+    assert np.allclose(np.array(kernel.half_product(xt, w[::2])), np.array(xt @ w32[::2].T), atol=1e-5)
 
 
 def test_threads_share_the_rows_without_changing_a_bit(kernel):
@@ -76,9 +78,9 @@ def test_threads_share_the_rows_without_changing_a_bit(kernel):
     w = mx.array(rng.standard_normal((8192, 576), dtype=np.float32) * 0.05).astype(mx.float16)
     try:
         KERNEL.set_threads(1)
-        one = np.array(kernel.product(x, w))
+        one = np.array(kernel.half_product(x, w))
         KERNEL.set_threads(2)
-        two = np.array(kernel.product(x, w))
+        two = np.array(kernel.half_product(x, w))
     finally:
         KERNEL.set_threads(int(os.environ.get("REDRAFTER_THREADS", os.cpu_count() or 1)))
     assert np.array_equal(one, two)
@@ -122,3 +124,84 @@ def test_weights_float16_does_not_hold_get_no_copy(kernel):
     exact = load_drafter(shipped_drafter_path("smollm2-135m"))
     exact.rnn_w.weight = exact.rnn_w.weight + 1e-6  # no longer a float16 value
     assert use_half_weights(exact) == len([m for _, m in exact.named_modules() if type(m) is nn.Linear]) - 1
+
+
+@pytest.mark.parametrize("isa", ["best", "avx2", "base"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 128)])
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 20])
+def test_quantized_products_are_the_float32_products_of_the_dequantized_weights(kernel, isa, bits, group, M):
+    rng = np.random.default_rng(bits * 100 + group + M)
+    w = mx.array(rng.standard_normal((70, 256), dtype=np.float32) * 0.1).astype(mx.float16)
+    q, scales, biases = mx.quantize(w, group_size=group, bits=bits)  # float16 scales and biases, as in a GGUF
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    x = mx.array(rng.standard_normal((M, 256), dtype=np.float32))
+    want = x @ mx.dequantize(q, scales, biases, group_size=group, bits=bits).T
+    with KERNEL.use_isa(isa) as used:
+        got = kernel.quantized_product(x, q, scales, biases, bits, group)
+        if used == "avx512":  # sums in the small-GEMM kernel's order: the same bits
+            assert mx.array_equal(got, want).item()
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+@pytest.fixture(scope="module")
+def packed_target(target):
+    """The session's target: on AVX-512 with the kernel, its 4-bit layers and 8-bit embedding kept packed."""
+    if not (KERNEL.active() and KERNEL.isa == "avx512"):
+        pytest.skip("the target keeps packed weights only with the AVX-512 kernel")
+    return target
+
+
+def test_the_embedded_target_keeps_its_quantized_weights_beside_the_float32_ones(packed_target):
+    model = packed_target.model
+    for layer in model.model.layers:
+        for fused in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+            assert fused.packed is not None and fused.packed.bits == 4 and fused.current()
+    assert model.model.embed_tokens.packed.bits == 8 and model.compiled.packed_weights is not None
+
+
+@pytest.mark.parametrize("rows,tokens", [(1, 1), (1, 4), (1, 8), (1, 9), (1, 40), (2, 3), (4, 2), (8, 1), (8, 3)])
+def test_forwards_from_packed_weights_have_the_bits_of_the_float32_forwards(packed_target, chat_ids, rows, tokens):
+    """Logits and hidden states of steps of every size, after a prefill, equal bit for bit with the kernel and
+    without it (prefills and steps of more than `MAX_ROWS` rows read the float32 weights either way)."""
+    model = packed_target.model
+    prompts = [chat_ids[r % len(chat_ids)][:30] for r in range(rows)]
+    outs = []
+    for use in (True, False):
+        cache = model.make_cache(64)
+        with (without(KERNEL) if not use else _nothing()):
+            model(mx.array(prompts), cache)
+            cache.advance(30)
+            step = mx.array([p[:tokens] for p in prompts])
+            outs.append(model(step, cache))
+            mx.eval(outs[-1])
+    (l1, h1), (l2, h2) = outs
+    assert mx.array_equal(l1, l2).item() and mx.array_equal(h1, h2).item()
+
+
+def test_packed_weights_step_aside_once_a_layer_holds_another_weight(packed_target):
+    embed = packed_target.model.model.embed_tokens
+    kept = embed.weight
+    h = mx.ones((1, 576)) * 0.01
+    try:
+        embed.weight = kept * 1.0  # a new array: the packed copy no longer stands for it
+        assert not embed.packed.current(embed)
+        assert mx.array_equal(packed_target.model.logits(h), h @ embed.weight.T).item()
+    finally:
+        embed.weight = kept
+    assert embed.packed.current(embed)
+
+
+def test_only_an_avx512_kernel_gives_a_target_packed_weights(kernel):
+    with KERNEL.use_isa("avx2"):
+        t = load_target(None, "float32")
+    assert getattr(t.model.model.embed_tokens, "packed", None) is None
+    assert all(layer.self_attn.qkv.packed is None for layer in t.model.model.layers)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+

@@ -1,0 +1,371 @@
+// y = x W^T (+ b) in float32 from packed W: float16, or MLX's 4- or 8-bit affine quantization, as one MLX primitive
+// on the CPU (built and loaded by mlx_redrafter/system/packed_linear.py, which also says when it is used).
+//
+// A decoding step multiplies a few rows (a token, a tree of drafts, a batch) by every weight matrix, so it costs
+// what reading the weights costs. MLX's CPU backend multiplies float16 and quantized weights several times slower
+// than float32 ones, so this project ran float32 copies: 538 MB a target call for the embedded 4-bit model, ~35 MB
+// a drafted token for the shipped drafter (more than a 32 MB L3). Here each weight row is read packed, widened to
+// float32 in vector registers (exactly: a float16 is a float32; a quantized weight is scale * q + bias with scale
+// and bias from float16 and q < 256, so the product is exact and one rounding remains, as in mx.dequantize) and
+// multiplied into every row of x with float32 fused multiply-adds, summed in the order of the small-GEMM kernel's
+// float32 products: the same bits as the float32 copies, at a quarter to half of the bytes.
+//
+// Rows whose entries are contiguous are read in place whatever their stride (e.g. the first rows of a larger
+// matrix); any other layout is copied first.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <omp.h>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int64_t PARALLEL_WORK = 1 << 18;  // weight entries below which one thread does it all
+int threads_ = 1;                           // set_threads
+
+// float16 -> float32, exactly (subnormals, infinities and NaNs included): the base variant and K's tail.
+static inline float widen(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal: normalise
+        int e = -1;
+        uint32_t m = man;
+        do {
+            ++e;
+            m <<= 1;
+        } while ((m & 0x400) == 0);
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Weights as stored: float16 (2 bytes each), or MLX's affine 4- or 8-bit quantization (a row's values packed low
+// bits first, `group` consecutive values sharing a float32 scale and bias: w = scale * q + bias, exact in float32
+// since scale and bias come from float16 and q < 256, so one rounding, as in mx.dequantize).
+enum Kind { F16 = 0, Q4 = 4, Q8 = 8 };
+
+struct Args {
+    const float* x;
+    int64_t ldx;
+    const uint8_t* w;
+    int64_t ldw;  // bytes from one weight row to the next
+    const float* s;
+    const float* b;
+    int64_t lds;  // scales (and biases) from one weight row to the next
+    float* y;
+    int64_t ldy;
+    int M, K, kind, group;
+};
+
+// Weight (row n, column k) as a float: the base variant and K's tail.
+static inline float weight_at(const Args& a, int n, int k) {
+    const uint8_t* row = a.w + (int64_t)n * a.ldw;
+    if (a.kind == F16) {
+        uint16_t h;
+        std::memcpy(&h, row + 2 * (int64_t)k, 2);
+        return widen(h);
+    }
+    const int q = a.kind == Q8 ? row[k] : (row[k / 2] >> (4 * (k & 1))) & 15;
+    const int64_t g = (int64_t)n * a.lds + k / a.group;
+    return a.s[g] * (float)q + a.b[g];
+}
+
+// Weight rows [n0, n1) times every row of x. A vector variant reads a pair of weight rows once per block of up to
+// MAXM rows of x and keeps MM x 2 sums in registers (sums over k in vector lanes, then across them: the order of
+// the small-GEMM kernel's float32 products, so a product from packed weights has their bits); K's tail (past the
+// last whole vector: float16 only) is summed in scalars.
+using RowsFn = void (*)(const Args&, int, int);
+
+static void rows_base(const Args& a, int n0, int n1) {
+    for (int n = n0; n < n1; ++n)
+        for (int m = 0; m < a.M; ++m) {
+            const float* x = a.x + (int64_t)m * a.ldx;
+            float s = 0.f;
+            for (int k = 0; k < a.K; ++k) s += weight_at(a, n, k) * x[k];
+            a.y[(int64_t)m * a.ldy + n] = s;
+        }
+}
+
+#if defined(__x86_64__)
+// LANES weights of row n from column k, widened to floats (k a multiple of LANES; groups hold whole vectors).
+#define WIDEN_VARIANT(NAME, TARGET, V, LANES, HALF, NIBBLES, BYTES, SET1, MUL, ADD)                                 \
+    TARGET static inline V NAME(const Args& a, int n, int k) {                                                     \
+        const uint8_t* row = a.w + (int64_t)n * a.ldw;                                                             \
+        if (a.kind == F16) return HALF(row + 2 * (int64_t)k);                                                      \
+        const int64_t g = (int64_t)n * a.lds + k / a.group;                                                        \
+        const V q = a.kind == Q4 ? NIBBLES(row + k / 2) : BYTES(row + k);                                          \
+        return ADD(MUL(q, SET1(a.s[g])), SET1(a.b[g]));                                                            \
+    }
+
+__attribute__((target("avx512f"))) static inline __m512 nibbles16(const uint8_t* p) {
+    const __m128i w16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));  // 8 bytes -> 8 x int16
+    const __m128i lo = _mm_and_si128(w16, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w16, 4);
+    const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(v));
+}
+__attribute__((target("avx512f"))) static inline __m512 bytes16(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+__attribute__((target("avx512f"))) static inline __m512 halves16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 nibbles8(const uint8_t* p) {
+    int32_t word;
+    std::memcpy(&word, p, 4);
+    const __m128i w16 = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(word));  // 4 bytes -> 4 x int16 (and zeros)
+    const __m128i lo = _mm_and_si128(w16, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w16, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_unpacklo_epi16(lo, hi)));
+}
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 bytes8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 halves8(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+WIDEN_VARIANT(widen512, __attribute__((target("avx512f"))), __m512, 16, halves16, nibbles16, bytes16,
+              _mm512_set1_ps, _mm512_mul_ps, _mm512_add_ps)
+WIDEN_VARIANT(widen256, __attribute__((target("avx2,fma,f16c"))), __m256, 8, halves8, nibbles8, bytes8,
+              _mm256_set1_ps, _mm256_mul_ps, _mm256_add_ps)
+
+#define ROWS_VARIANT(NAME, TARGET, V, LANES, WIDEN, LOADX, FMA, ZERO, SUM, MAXM)                                     \
+    template <int MM>                                                                                              \
+    TARGET static inline void NAME##_block(const Args& a, int m0, int n0, int n1) {                                \
+        const float* x = a.x + (int64_t)m0 * a.ldx;                                                                \
+        const int Kv = a.K / LANES * LANES;                                                                        \
+        for (int n = n0; n < n1; n += 2) {                                                                         \
+            const bool two = n + 1 < n1;                                                                           \
+            const int n2 = two ? n + 1 : n;                                                                        \
+            const uint8_t* next = a.w + (int64_t)(n2 + 1) * a.ldw;                                                 \
+            V acc0[MM], acc1[MM];                                                                                  \
+            for (int m = 0; m < MM; ++m) acc0[m] = acc1[m] = ZERO;                                                 \
+            for (int k = 0; k < Kv; k += LANES) {                                                                  \
+                const int64_t at = (int64_t)k * (a.kind == F16 ? 2 : a.kind) / 8; /* bytes into a row */           \
+                _mm_prefetch((const char*)(next + at), _MM_HINT_T0); /* the next pair */                           \
+                _mm_prefetch((const char*)(next + a.ldw + at), _MM_HINT_T0);                                       \
+                const V u = WIDEN(a, n, k), v = WIDEN(a, n2, k);                                                   \
+                for (int m = 0; m < MM; ++m) {                                                                     \
+                    const V xv = LOADX(x + (int64_t)m * a.ldx + k);                                                \
+                    acc0[m] = FMA(u, xv, acc0[m]);                                                                 \
+                    acc1[m] = FMA(v, xv, acc1[m]);                                                                 \
+                }                                                                                                  \
+            }                                                                                                      \
+            for (int m = 0; m < MM; ++m) {                                                                         \
+                const float* xm = x + (int64_t)m * a.ldx;                                                          \
+                float s0 = SUM(acc0[m]), s1 = SUM(acc1[m]);                                                        \
+                for (int k = Kv; k < a.K; ++k) {                                                                   \
+                    s0 += weight_at(a, n, k) * xm[k];                                                              \
+                    s1 += weight_at(a, n2, k) * xm[k];                                                             \
+                }                                                                                                  \
+                float* ym = a.y + (int64_t)(m0 + m) * a.ldy;                                                       \
+                ym[n] = s0;                                                                                        \
+                if (two) ym[n + 1] = s1;                                                                           \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+    TARGET static void NAME(const Args& a, int n0, int n1) {                                                       \
+        for (int m0 = 0; m0 < a.M; m0 += MAXM) {                                                                   \
+            switch (std::min(MAXM, a.M - m0)) {                                                                    \
+                case 1: NAME##_block<1>(a, m0, n0, n1); break;                                                     \
+                case 2: NAME##_block<2>(a, m0, n0, n1); break;                                                     \
+                case 3: NAME##_block<3>(a, m0, n0, n1); break;                                                     \
+                case 4: NAME##_block<4>(a, m0, n0, n1); break;                                                     \
+                case 5: NAME##_block<5>(a, m0, n0, n1); break;                                                     \
+                case 6: NAME##_block<6>(a, m0, n0, n1); break;                                                     \
+                case 7: NAME##_block<7>(a, m0, n0, n1); break;                                                     \
+                default: NAME##_block<MAXM>(a, m0, n0, n1); break;                                                 \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
+__attribute__((target("avx2,fma,f16c"))) static inline float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+ROWS_VARIANT(rows_avx512, __attribute__((target("avx512f"))), __m512, 16, widen512, _mm512_loadu_ps,
+             _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_reduce_add_ps, 8)
+ROWS_VARIANT(rows_avx2, __attribute__((target("avx2,fma,f16c"))), __m256, 8, widen256, _mm256_loadu_ps,
+             _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
+#endif
+
+const char* isa_ = nullptr;
+RowsFn rows_fn_ = nullptr;
+
+// "avx512", "avx2" or "base": the best this CPU runs, or the one asked for where it runs it. Returns the choice.
+const char* set_isa(const std::string& want) {
+    isa_ = "base";
+    rows_fn_ = rows_base;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    if (avx512 && (want == "best" || want == "avx512")) {
+        isa_ = "avx512";
+        rows_fn_ = rows_avx512;
+    } else if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) {
+        isa_ = "avx2";
+        rows_fn_ = rows_avx2;
+    }
+#endif
+    return isa_;
+}
+
+// A 2-D array's rows with contiguous entries: in place (whatever the row stride, returned in ld), or copied into
+// `keep` when its entries are strided (layouts are known only once the inputs are evaluated).
+template <typename T>
+static const T* rows_of(const T* p, const mx::array& a, std::vector<T>& keep, int64_t& ld) {
+    const int R = a.shape(0), C = a.shape(1);
+    const int64_t s0 = a.strides()[0], s1 = a.strides()[1];
+    ld = s0;
+    if (s1 == 1 || C == 1) return p;
+    keep.resize((size_t)R * C);
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) keep[(size_t)r * C + c] = p[r * s0 + c * s1];
+    ld = C;
+    return keep.data();
+}
+
+class PackedLinear : public mx::Primitive {
+   public:
+    PackedLinear(mx::Stream s, int kind, int group, bool bias)
+        : mx::Primitive(s), kind_(kind), group_(group), bias_(bias) {}
+
+    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("packed_linear runs on the CPU only");
+    }
+    const char* name() const override { return "PackedLinear"; }
+    bool is_equivalent(const mx::Primitive& other) const override {
+        auto& o = static_cast<const PackedLinear&>(other);
+        return kind_ == o.kind_ && group_ == o.group_ && bias_ == o.bias_;
+    }
+
+   private:
+    int kind_, group_;
+    bool bias_;
+};
+
+void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), kind = kind_, group = group_, bias = bias_,
+                  threads = threads_, rows = rows_fn_]() mutable {
+        const auto& x = ins[0];
+        const auto& w = ins[1];
+        const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
+        std::vector<float> xc, sc, bc;
+        std::vector<uint16_t> hc;
+        std::vector<uint32_t> qc;
+        int64_t ldx, ldw, lds = 0, unused;
+        const float* xp = rows_of(x.data<float>(), x, xc, ldx);
+        const uint8_t* wp;
+        const float *sp = nullptr, *bp = nullptr;
+        if (kind == F16) {
+            wp = reinterpret_cast<const uint8_t*>(rows_of(w.data<uint16_t>(), w, hc, ldw));
+            ldw *= 2;
+        } else {
+            wp = reinterpret_cast<const uint8_t*>(rows_of(w.data<uint32_t>(), w, qc, ldw));
+            ldw *= 4;
+            sp = rows_of(ins[2].data<float>(), ins[2], sc, lds);
+            bp = rows_of(ins[3].data<float>(), ins[3], bc, unused);
+        }
+        Args a{xp, ldx, wp, ldw, sp, bp, lds, out.data<float>(), (int64_t)N, M, K, kind, group};
+        const float* b = bias ? ins.back().data<float>() : nullptr;
+        auto run = [&](int n0, int n1) {
+            rows(a, n0, n1);
+            if (b)
+                for (int m = 0; m < M; ++m)
+                    for (int n = n0; n < n1; ++n) a.y[(int64_t)m * N + n] += b[n];
+        };
+        const int T = std::min<int>(threads, std::max(1, N / 2));
+        if (T <= 1 || (int64_t)N * K < PARALLEL_WORK) {
+            run(0, N);
+            return;
+        }
+#pragma omp parallel num_threads(T)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            run((int)((int64_t)N * t / nt), (int)((int64_t)N * (t + 1) / nt));
+        }
+    });
+}
+
+static mx::array packed_linear(const mx::array& x, std::vector<mx::array> ins, int n, int kind, int group,
+                               std::optional<mx::array> bias) {
+    auto s = mx::default_stream(mx::Device::cpu);
+    if (bias) {
+        if (bias->ndim() != 1 || bias->shape(0) != n) throw std::invalid_argument("packed_linear: bias (N,)");
+        ins.push_back(mx::astype(*bias, mx::float32, s));
+    }
+    ins.insert(ins.begin(), x);
+    return mx::array({x.shape(0), n}, mx::float32, std::make_shared<PackedLinear>(s, kind, group, bias.has_value()),
+                     std::move(ins));
+}
+
+// x float32 (M, K) @ w float16 (N, K).T (+ bias (N,)) -> float32 (M, N).
+mx::array half_linear(const mx::array& x, const mx::array& w, std::optional<mx::array> bias) {
+    if (x.dtype() != mx::float32 || w.dtype() != mx::float16 || x.ndim() != 2 || w.ndim() != 2 ||
+        x.shape(1) != w.shape(1) || x.shape(0) < 1 || w.shape(0) < 1)
+        throw std::invalid_argument("half_linear: float32 x (M, K) and float16 weights (N, K)");
+    return packed_linear(x, {mx::view(w, mx::uint16)}, w.shape(0), F16, 1, bias);
+}
+
+// x float32 (M, K) @ dequantize(w, scales, biases).T (+ bias) -> float32 (M, N): MLX's affine quantization, w
+// uint32 (N, K * bits / 32), scales and biases float32 (N, K / group_size); bits 4 or 8, groups of 16k values.
+mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int bits, int group_size, std::optional<mx::array> bias) {
+    if ((bits != 4 && bits != 8) || group_size < 16 || group_size % 16 != 0)
+        throw std::invalid_argument("quantized_linear: bits 4 or 8, group_size a multiple of 16");
+    if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
+        biases.dtype() != mx::float32 || x.ndim() != 2 || w.ndim() != 2 || x.shape(0) < 1 || w.shape(0) < 1 ||
+        (int64_t)w.shape(1) * 32 / bits != x.shape(1) || x.shape(1) % group_size != 0 ||
+        scales.shape() != mx::Shape{w.shape(0), x.shape(1) / group_size} || biases.shape() != scales.shape())
+        throw std::invalid_argument("quantized_linear: float32 x (M, K), uint32 w (N, K * bits / 32), float32 scales "
+                                    "and biases (N, K / group_size)");
+    return packed_linear(x, {w, scales, biases}, w.shape(0), bits, group_size, bias);
+}
+
+}  // namespace
+
+NB_MODULE(_packed_linear, m) {
+    m.doc() = "x @ W.T from float16 or 4- and 8-bit quantized W as one MLX CPU primitive (see packed_linear.cpp).";
+    m.def("half_linear", &half_linear, nb::arg("x"), nb::arg("w"), nb::arg("bias") = nb::none());
+    m.def("quantized_linear", &quantized_linear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+          nb::arg("bits"), nb::arg("group_size"), nb::arg("bias") = nb::none());
+    m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
+    m.def("set_isa", &set_isa, nb::arg("want") = "best");
+    m.def("version", []() { return 1; });
+    set_isa("best");
+}

@@ -1,0 +1,79 @@
+"""Our packed-weight products on a CPU: an MLX primitive (csrc/packed_linear.cpp) that computes x @ W.T in float32
+from W stored packed, in float16 or in MLX's 4- or 8-bit affine quantization, with the bits of the float32 product
+of the same weights and a quarter to half of the bytes read.
+
+A decoding step multiplies a few rows by every weight matrix, so on a CPU it costs what reading the weights costs,
+and MLX's own float16 and quantized products there are several times slower than its float32 ones: this project
+ran float32 copies (538 MB a target call for the embedded 4-bit model). With this kernel a float32 target keeps its
+quantized weights beside the float32 copies (`models.packed`), and a drafter float16 copies of the weights float16
+holds exactly (`draft.half_weights`); steps of up to `MAX_ROWS` rows read those. Built against the installed MLX by
+`make setup` (`python -m mlx_redrafter.system.packed_linear`); where it is not built, does not load or fails its
+self-check, the float32 copies serve, as before (one line on stderr says so where it was expected).
+Switch: REDRAFTER_PACKED_WEIGHTS=auto (default) | off.
+
+Importing this module changes nothing; `blas.install()` reads the switch and calls `load()` once MLX is safe to
+import.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mlx_redrafter.system.extension import Extension
+
+VERSION = 1  # the kernel build's version (its speed), shown in blas=...+packed1
+KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight kernel", "MLX's product", VERSION)
+MAX_ROWS = 8  # rows of x up to which a product reads packed weights (past ~9 rows the float32 product is faster)
+
+
+def load(threads: int, expected: bool) -> str:
+    """Load and check the kernel (once) on a machine it is `expected` to run on (x86-64 Linux with AVX-512, or
+    AVX2 + FMA + F16C; elsewhere MLX's float32 product is faster, and is used); returns why it is not active."""
+    return KERNEL.load(threads, expected, _self_check)
+
+
+def usable() -> bool:
+    """The kernel is active and MLX computes on the CPU."""
+    import mlx.core as mx
+
+    return KERNEL.module is not None and mx.default_device() == mx.cpu
+
+
+def half_product(x, weight, bias=None):
+    """x (..., K) float32 @ weight (N, K) float16 .T (+ bias (N,)) -> (..., N) float32 (lazy)."""
+    shape = x.shape
+    y = KERNEL.module.half_linear(x.reshape(-1, shape[-1]), weight, bias)
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def quantized_product(x, weight, scales, biases, bits: int, group_size: int):
+    """x (..., K) float32 @ dequantize(weight, scales, biases).T -> (..., N) float32 (lazy): MLX's affine
+    quantization (`mx.quantize`), scales and biases in float32."""
+    shape = x.shape
+    y = KERNEL.module.quantized_linear(x.reshape(-1, shape[-1]), weight, scales, biases, bits, group_size)
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def _self_check() -> str:
+    """Float16 products with a bias, without one, and of a slice of rows, and 4- and 8-bit products, against
+    MLX's float32 products of the same weights; '' when they agree."""
+    import mlx.core as mx
+
+    kx, kw, kb = mx.random.split(mx.random.key(0), 3)
+    x = mx.random.normal((3, 64), key=kx)
+    w32 = mx.random.normal((37, 64), key=kw) * 0.1
+    w = w32.astype(mx.float16)
+    b = mx.random.normal((37,), key=kb)
+    wf = w.astype(mx.float32)
+    errs = [mx.abs(half_product(x, w, b) - (x @ wf.T + b)).max().item(),
+            mx.abs(half_product(x, w[:20]) - x @ wf[:20].T).max().item()]
+    for bits in (4, 8):
+        q, s, z = mx.quantize(w32, group_size=32, bits=bits)
+        s, z = s.astype(mx.float32), z.astype(mx.float32)
+        ref = x @ mx.dequantize(q, s, z, group_size=32, bits=bits).T
+        errs.append(mx.abs(quantized_product(x, q, s, z, bits, 32) - ref).max().item())
+    return "" if max(errs) <= 1e-5 else f"max difference {max(errs):.2e}"
+
+
+if __name__ == "__main__":
+    sys.exit(0 if KERNEL.build() else 1)
