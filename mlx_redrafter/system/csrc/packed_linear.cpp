@@ -214,6 +214,67 @@ ROWS_VARIANT(rows_avx512, __attribute__((target("avx512f"))), __m512, 16, widen5
              _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_reduce_add_ps, 8)
 ROWS_VARIANT(rows_avx2, __attribute__((target("avx2,fma,f16c"))), __m256, 8, widen256, _mm256_loadu_ps,
              _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
+
+// 4-bit rows on AVX-512, the target's common case: each group's 16 possible values scale x q + bias are computed
+// once (the same multiply and add as widen512, so the same floats) into a register, and every 16 weights are one
+// permute of it by their nibbles (the permute reads only an index's low 4 bits, so no mask is needed).
+template <int MM>
+__attribute__((target("avx512f"))) static inline void q4_block512(const Args& a, int m0, int n0, int n1) {
+    const float* x = a.x + (int64_t)m0 * a.ldx;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    for (int n = n0; n < n1; n += 2) {
+        const bool two = n + 1 < n1;
+        const int n2 = two ? n + 1 : n;
+        const uint8_t *w0 = a.w + (int64_t)n * a.ldw, *w1 = a.w + (int64_t)n2 * a.ldw;
+        const uint8_t* next = a.w + (int64_t)(n2 + 1) * a.ldw;
+        const float *s0 = a.s + (int64_t)n * a.lds, *s1 = a.s + (int64_t)n2 * a.lds;
+        const float *b0 = a.b + (int64_t)n * a.lds, *b1 = a.b + (int64_t)n2 * a.lds;
+        __m512 acc0[MM], acc1[MM], t0 = iota, t1 = iota;
+        for (int m = 0; m < MM; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+        for (int k = 0; k < a.K; k += 16) {
+            _mm_prefetch((const char*)(next + k / 2), _MM_HINT_T0);
+            _mm_prefetch((const char*)(next + a.ldw + k / 2), _MM_HINT_T0);
+            if (k % a.group == 0) {
+                const int g = k / a.group;
+                t0 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s0[g])), _mm512_set1_ps(b0[g]));
+                t1 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s1[g])), _mm512_set1_ps(b1[g]));
+            }
+            // bytes duplicated, widened to 32 bits, the odd copies shifted: nibble i of the 16 in lane i
+            const __m128i d0 = _mm_loadl_epi64((const __m128i*)(w0 + k / 2));
+            const __m128i d1 = _mm_loadl_epi64((const __m128i*)(w1 + k / 2));
+            const __m512i i0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(d0, d0)), shifts);
+            const __m512i i1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(d1, d1)), shifts);
+            const __m512 u = _mm512_permutexvar_ps(i0, t0), v = _mm512_permutexvar_ps(i1, t1);
+            for (int m = 0; m < MM; ++m) {
+                const __m512 xv = _mm512_loadu_ps(x + (int64_t)m * a.ldx + k);
+                acc0[m] = _mm512_fmadd_ps(u, xv, acc0[m]);
+                acc1[m] = _mm512_fmadd_ps(v, xv, acc1[m]);
+            }
+        }
+        for (int m = 0; m < MM; ++m) {
+            float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
+            ym[n] = _mm512_reduce_add_ps(acc0[m]);
+            if (two) ym[n + 1] = _mm512_reduce_add_ps(acc1[m]);
+        }
+    }
+}
+
+__attribute__((target("avx512f"))) static void rows_avx512_any(const Args& a, int n0, int n1) {
+    if (a.kind != Q4) return rows_avx512(a, n0, n1);
+    for (int m0 = 0; m0 < a.M; m0 += 8) {
+        switch (std::min(8, a.M - m0)) {
+            case 1: q4_block512<1>(a, m0, n0, n1); break;
+            case 2: q4_block512<2>(a, m0, n0, n1); break;
+            case 3: q4_block512<3>(a, m0, n0, n1); break;
+            case 4: q4_block512<4>(a, m0, n0, n1); break;
+            case 5: q4_block512<5>(a, m0, n0, n1); break;
+            case 6: q4_block512<6>(a, m0, n0, n1); break;
+            case 7: q4_block512<7>(a, m0, n0, n1); break;
+            default: q4_block512<8>(a, m0, n0, n1); break;
+        }
+    }
+}
 #endif
 
 const char* isa_ = nullptr;
@@ -230,7 +291,7 @@ const char* set_isa(const std::string& want) {
                       __builtin_cpu_supports("f16c");
     if (avx512 && (want == "best" || want == "avx512")) {
         isa_ = "avx512";
-        rows_fn_ = rows_avx512;
+        rows_fn_ = rows_avx512_any;
     } else if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) {
         isa_ = "avx2";
         rows_fn_ = rows_avx2;
