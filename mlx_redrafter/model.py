@@ -194,7 +194,8 @@ class PackedWeights:
         layer.packed = cls(weight, scales, biases, bits, group_size, layer.weight)
 
     def current(self, layer: nn.Module) -> bool:
-        return layer["weight"] is self.source
+        """`layer` still holds the float32 weight this stands for."""
+        return held([(layer, self.source)])
 
     @staticmethod
     def supported(bits: int, group_size: int) -> bool:
@@ -233,6 +234,9 @@ class FusedLinear:
                  else None for layer in layers]
         self.packed = (PackedWeights.stacked(parts) if "bias" not in layers[0] and None not in parts
                        else None)  # the quantized source of the float32 weight, where the model has one
+        if self.packed is not None:
+            for layer in layers:  # their rows live on in the stacked copy; the layers' own views replace them below
+                layer.packed = None
         self.weight = mx.concatenate([layer.weight for layer in layers])  # (sum of outputs, in)
         self.bias = mx.concatenate([layer.bias for layer in layers]) if "bias" in layers[0] else None
         self.weight_t = self.weight.T  # a view: the product reads the weight as it is stored

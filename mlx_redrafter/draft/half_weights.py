@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_redrafter.model import held
 from mlx_redrafter.system import packed_linear
 
 
@@ -23,7 +24,7 @@ class HalfWeights:
 
     def current(self) -> bool:
         """The layer still holds the weight this copy was made from, and the kernel is usable."""
-        return self.layer["weight"] is self.source and packed_linear.usable()
+        return held([(self.layer, self.source)]) and packed_linear.usable()
 
     def __call__(self, x: mx.array, rows: int | None = None) -> mx.array:
         """x (..., K) -> (..., N) (the first `rows` outputs only: a head cut to its most frequent rows)."""

@@ -112,6 +112,7 @@ def build_model(cfg: dict[str, Any], weights: dict[str, mx.array], quant: dict[s
     elif cfg.get("tie_word_embeddings") is None:
         args.tie_word_embeddings = False
     model = Model(args)
+    source = weights  # as read: quantized matrices stay packed
     try:  # MLX reports shapes that do not fit (weights, scales, the config) as ValueError
         if dtype == "quantized":
             act = mx.float16
@@ -124,7 +125,6 @@ def build_model(cfg: dict[str, Any], weights: dict[str, mx.array], quant: dict[s
             weights = {k: (v.astype(act) if k.rsplit(".", 1)[0] not in quant and mx.issubdtype(v.dtype, mx.floating)
                            else v) for k, v in weights.items()}
         else:
-            source = weights
             weights = dequantize_weights(weights, quant, DTYPES[dtype])
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
