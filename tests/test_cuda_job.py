@@ -33,6 +33,64 @@ def test_batched_engine_equals_the_runtimes_greedy(target, hf, chat_ids):
     assert all((t[:, 5] == np.array(o)).all() for t, o in zip(tops, ours))  # top-1 of the top-5 is the decision
 
 
+def test_slot_engine_answers_what_the_runtime_answers(target, hf, chat_ids):
+    """Continuous batching over fewer slots than prompts, prompts sharing a prefix, one prompt answered with eos at
+    once: every answer is the runtime's greedy answer to the whole prompt."""
+    from bench.torch_ref.slots import Unit, generate
+    from mlx_redrafter.train.greedy import generate_greedy
+
+    eos = target.tokenizer.eos_ids
+    follows = [target.tokenizer.encode(" Say it again, shorter."), target.tokenizer.encode(" Why?")]
+    units = [Unit(chat_ids[0][:-1], [chat_ids[0][-1:]], ["a"]), Unit(chat_ids[3], follows, ["b", "c"]),
+             Unit(chat_ids[7][:-1], [chat_ids[7][-1:]], ["d"]), Unit(chat_ids[5][:4], [[eos[0]]], ["e"])]
+    prompts = {k: u.prefix + f for u in units for f, k in zip(u.follows, u.keys)}
+    ours, _ = generate_greedy(target.model, list(prompts.values()), 12, eos)
+    expected = dict(zip(prompts, ours))
+    single = [units[0], units[2], units[3]]  # one-token follow-ups taking every slot at once, in no set order
+    for slots, some in ((2, units), (5, units), (3, single)):
+        theirs = generate(hf, some, 12, eos, "cpu", slots=slots, max_len=max(map(len, prompts.values())) + 12)
+        assert theirs == {k: expected[k] for u in some for k in u.keys}
+
+
+def test_turn2_prompts_built_there_are_the_plans(target, tmp_path):
+    """The job sends no turn-2 prompts, only which rows and follow-ups: the CUDA machine rebuilds each from the
+    turn-1 shards of the corpus, and gets the prompts the plan's own code makes (cut first answers skipped)."""
+    from bench.torch_ref.cuda_job import GEN_ENGINE, _save_sequences, land, prepare, turn2_units
+    from mlx_redrafter.train.corpus import Corpus
+    from mlx_redrafter.train.greedy import GreedySource
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Describe the number {k} in {k % 7 + 2} words."}) + "\n"
+                               for k in range(1300)))
+    corpus, job, result = tmp_path / "corpus", tmp_path / "job", tmp_path / "result"
+    prepare(job, prompts, corpus, write_gguf=False)
+    eos = target.tokenizer.eos_ids[0]
+    with np.load(job / "job.npz") as z:
+        got = {(1, int(j), int(r)): (z["t1_tok"][a:b].tolist(), [5, 6] + ([eos] if r % 5 else []))
+               for j, r, a, b in zip(z["t1_job"], z["t1_row"], z["t1_off"][:-1], z["t1_off"][1:]) if 1 <= j <= 4}
+    result.mkdir()
+    _save_sequences(result, got, [1, 2, 3, 4])
+    (result / "report.json").write_text(json.dumps({"device_name": "test", "generation_engine": GEN_ENGINE,
+                                                    "generation": {"tokens": 3, "seconds": 1.0}}))
+    land(result, prompts, corpus)
+    assert sorted(Corpus(corpus).entries) == [f"shard-{k:05d}.npz" for k in (1, 2, 3, 4)]
+    prepare(tmp_path / "job2", prompts, corpus, write_gguf=False)
+    spec = json.loads((tmp_path / "job2" / "job.json").read_text())
+    with np.load(tmp_path / "job2" / "job.npz") as z:
+        units = turn2_units(dict(z), spec, {})
+    built = {k: u.prefix + f for u in units for f, k in zip(u.follows, u.keys)}
+    src = GreedySource(target, prompts)
+    c = Corpus(corpus)
+    expected = {}
+    for j in src.jobs():
+        if j.turn == 2:
+            for r, p in zip(j.rows, src.turn2_prompts(c, j, set(target.tokenizer.eos_ids))):
+                if p is not None:
+                    expected[(2, j.index, r)] = p
+    assert built == expected and len(built) > 100 and any(len(u.follows) > 1 for u in units)
+    assert len({k[2] for k in built}) < len(built) // 2  # rows continued by several passes, prefilled once
+
+
 def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
     from bench.torch_ref.cuda_job import TOP_K, Features
     from mlx_redrafter.train.greedy import generate_greedy
@@ -56,7 +114,7 @@ def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
 
 
 def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
-    from bench.torch_ref.cuda_job import ENGINE, _save_sequences, land, prepare
+    from bench.torch_ref.cuda_job import GEN_ENGINE, _save_sequences, land, prepare
     from mlx_redrafter.train.corpus import Corpus
 
     prompts = tmp_path / "prompts.jsonl"
@@ -69,16 +127,16 @@ def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
                 for j, r, a, b in zip(z["t1_job"], z["t1_row"], z["t1_off"][:-1], z["t1_off"][1:]) if j == 1]
     assert len(mine) == 4  # 260 prompts: the held-out shard 0 takes 256
     eos = target.tokenizer.eos_ids[0]
-    got = {(1, r): (p, [p[-1], 7, eos]) for r, p in mine}
+    got = {(1, 1, r): (p, [p[-1], 7, eos]) for r, p in mine}
     result.mkdir()
     _save_sequences(result, got, [1])
-    (result / "report.json").write_text(json.dumps({"device_name": "test", "generation": {"tokens": 12,
-                                                                                           "seconds": 2.0}}))
+    (result / "report.json").write_text(json.dumps({"device_name": "test", "generation_engine": GEN_ENGINE,
+                                                    "generation": {"tokens": 12, "seconds": 2.0}}))
     land(result, prompts, corpus)
     c = Corpus(corpus)
     assert sorted(c.entries) == ["shard-00001.npz"]  # only the finished shard; shard 0 stays to be made
     entry = c.entries["shard-00001.npz"]
-    assert entry["engine"] == ENGINE and entry["device"] == "test" and entry["new_tokens_per_s"] == 6.0
+    assert entry["engine"] == GEN_ENGINE and entry["device"] == "test" and entry["new_tokens_per_s"] == 6.0
     shard = c.shard("shard-00001.npz")
     assert sorted(shard.sequence(i).tolist() for i in range(4)) == sorted(p + [p[-1], 7, eos] for _, p in mine)
     prepare(tmp_path / "back", prompts, tmp_path / "empty", from_end=True, max_shards=1, write_gguf=False)

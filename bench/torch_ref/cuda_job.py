@@ -26,17 +26,21 @@ import argparse
 import json
 import math
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-PART_BYTES = 15 * 2**20  # the GGUF travels (xz) and drafters come back in parts no larger: some transports cap files
+PART_BYTES = 15 * 2**20  # drafters come back in parts no larger: some transports cap files
+GGUF_PART_BYTES = 12 * 2**20  # the GGUF travels (xz) in parts this large: one part and the checkout make one transfer
 TOP_K = 8  # labels kept per context position (train/features.py)
 EVAL_POSITIONS = 4096  # held-out context positions evaluated (train/loop.py)
 ENGINE = ("PyTorch CUDA float32 (transformers LlamaForCausalLM from the same GGUF, TF32 off), "
           "bench/torch_ref/cuda_job.py")
+GEN_ENGINE = ("PyTorch CUDA float32 (transformers LlamaForCausalLM's layers from the same GGUF, continuous batching "
+              "over a slot KV cache, TF32 off), bench/torch_ref/slots.py")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     """Write the job spec (`job.json`, `job.npz`) and the target's GGUF (xz, in parts) into `job_dir`; `from_end`:
     the plan's last shards first (the CPU's data job works from the front, so the two do not make the same shard);
     `max_shards`: at most that many shards in the job (a smaller job.npz)."""
+    from mlx_redrafter.errors import UserError
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
     from mlx_redrafter.train.corpus import Corpus
@@ -79,8 +84,9 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     if from_end:
         todo = todo[::-1]
     todo = todo[:max_shards]
-    t1_job, t1_row, t1_ids, t2_job, t2_row, t2_follow, t2_fixed = [], [], [], [], [], [], []
-    done_parents = set()
+    t1_job, t1_row, t1_ids, t2_job, t2_row, t2_follow, t2_column = [], [], [], [], [], [], []
+    parents: set[int] = set()
+    columns: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}  # sibling passes over the same sequences
     for job in todo:
         if job.turn == 1:
             for r in job.rows:
@@ -90,18 +96,20 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
                     t1_row.append(r)
                     t1_ids.append(ids)
         else:
-            if all(corpus.check(f"shard-{p:05d}.npz") is None for p in job.parents):
-                done_parents.add(job.index)
+            parents |= set(job.parents)
+            column = columns.setdefault((tuple(job.parents), tuple(job.rows)), len(columns))
             for r in job.rows:
                 t2_job.append(job.index)
                 t2_row.append(r)
                 t2_follow.append(src.follow_choice(r, job.follow_pass))
-    # turn-2 rows whose turn-1 sequence is already in the corpus get their prompts here (the rest on the GPU)
-    for job in todo:
-        if job.turn == 2 and job.index in done_parents:
-            for r, ids in zip(job.rows, src.turn2_prompts(corpus, job, set(tok.eos_ids))):
-                t2_fixed.append((r, ids if ids is not None else []))
-    fixed = dict(t2_fixed)
+                t2_column.append(column)
+    # a turn-2 prompt is its turn-1 sequence + a follow-up: there, from the corpus (which travels with the checkout)
+    # or from the run's own turn-1 answers
+    missing = [p for p in sorted(parents) if corpus.check(f"shard-{p:05d}.npz") is not None
+               and p not in {j.index for j in todo}]
+    if missing:
+        raise UserError(f"turn-2 shards of the job need turn-1 shards {missing}, which are neither in "
+                        f"{corpus_dir} nor in the job: make them first (`make distill`)")
     parity = [tok.encode_chat([{"role": "user", "content": row["prompt"]}])
               for row in first_turns(None, num_parity, spread=True)]
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -111,13 +119,12 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
                 np.cumsum([0] + [len(x) for x in seqs]).astype(np.int64))
 
     t1_tok, t1_off = flat(t1_ids)
-    fix_tok, fix_off = flat([fixed.get(r, []) for r in t2_row])
     fol_tok, fol_off = flat(src.follow_ids)
     par_tok, par_off = flat(parity)
     np.savez(job_dir / "job.npz", t1_job=np.asarray(t1_job, np.int64), t2_job=np.asarray(t2_job, np.int64),
              t1_row=np.asarray(t1_row, np.int64), t1_tok=t1_tok, t1_off=t1_off,
              t2_row=np.asarray(t2_row, np.int64), t2_follow=np.asarray(t2_follow, np.int64),
-             t2_has_fixed=np.asarray([r in fixed for r in t2_row]), t2_fixed_tok=fix_tok, t2_fixed_off=fix_off,
+             t2_column=np.asarray(t2_column, np.int64), t2_parents=np.asarray(sorted(parents), np.int64),
              follow_tok=fol_tok, follow_off=fol_off, parity_tok=par_tok, parity_off=par_off)
     gguf = Path(target.path)
     data = gguf.read_bytes()
@@ -127,9 +134,9 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
         packed = lzma.compress(data, preset=0)
         for old in job_dir.glob("gguf.xz.*"):
             old.unlink()
-        parts = -(-len(packed) // PART_BYTES)
+        parts = -(-len(packed) // GGUF_PART_BYTES)
         for k in range(parts):
-            (job_dir / f"gguf.xz.{k}").write_bytes(packed[k * PART_BYTES:(k + 1) * PART_BYTES])
+            (job_dir / f"gguf.xz.{k}").write_bytes(packed[k * GGUF_PART_BYTES:(k + 1) * GGUF_PART_BYTES])
         _bundle_gguf_reader(job_dir / "pylib")
     else:
         parts = len(list(job_dir.glob("gguf.xz.*")))
@@ -138,12 +145,12 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     spec = {"gguf_name": gguf.name, "gguf_sha256": hashlib.sha256(data).hexdigest(), "eos_ids": tok.eos_ids,
             "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
             "corpus": str(corpus_dir), "jobs": [j.name for j in todo], "turn1_prompts": len(t1_row),
-            "turn2_rows": len(t2_row), "turn2_fixed": len(fixed), "parity_prompts": len(parity),
+            "turn2_rows": len(t2_row), "parity_prompts": len(parity),
             "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m",
             "text_corpus": str(text_corpus) if text_corpus else None, "gguf_parts": parts}
     (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
-    print(f"{job_dir}: {len(todo)} shards to make: {len(t1_row)} turn-1 prompts, {len(t2_row)} turn-2 rows "
-          f"({len(fixed)} with their turn-1 sequence here); GGUF (xz) in {parts} parts")
+    print(f"{job_dir}: {len(todo)} shards to make: {len(t1_row)} turn-1 prompts, {len(t2_row)} turn-2 rows; GGUF "
+          f"(xz) in {parts} parts")
 
 
 def _bundle_gguf_reader(dest: Path) -> None:
@@ -290,97 +297,131 @@ def _batches(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[in
     return out
 
 
-def _groups(jobs: list[int], max_rows: int) -> list[list[int]]:
-    """Indices of consecutive shards' rows, whole shards together, up to max_rows rows per group."""
-    out: list[list[int]] = []
-    last = None
-    for i, j in enumerate(jobs):
-        if j != last and (not out or len(out[-1]) + jobs.count(j) > max_rows):
-            out.append([])
-        out[-1].append(i)
-        last = j
+def turn1_sequences(corpus_dir: Path, shards: list[int], eos_ids: list[int]) -> dict[int, list[int]]:
+    """The turn-1 sequences (prompt + answer) of the given shards that ended with eos, by plan row (numpy only; what
+    `GreedySource.turn2_parts` reads)."""
+    eos, out = set(eos_ids), {}
+    for k in shards:
+        with np.load(corpus_dir / f"shard-{k:05d}.npz") as z:
+            tok, off, pl, rows = z["tokens"].astype(np.int64), z["offsets"], z["prompt_len"], z["prompt_index"]
+        for i, r in enumerate(rows.tolist()):
+            seq = tok[off[i]:off[i + 1]]
+            if len(seq) > pl[i] and int(seq[-1]) in eos:
+                out[r] = seq.tolist()
     return out
 
 
-def generate_all(model: Any, job: dict, spec: dict, device: str, deadline: float, t0: float,
-                 max_rows: int, save: Any) -> tuple[dict[tuple[int, int], tuple[list[int], list[int]]], list[int]]:
-    """(prompt, greedy response) keyed by (turn, plan row), and the shards all of whose prompts were answered: turn
-    1 first, then turn 2 (whose prompts need turn 1), a few whole shards at a time."""
-    eos_ids, max_new, max_prompt = spec["eos_ids"], spec["max_new_tokens"], spec["max_prompt_tokens"]
-    t1 = [job["t1_tok"][a:b].tolist() for a, b in zip(job["t1_off"][:-1], job["t1_off"][1:])]
-    got: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-    done: list[int] = []
-    tokens = 0
-    last_save = time.perf_counter()
+def prompt_check(prompt: list[int]) -> int:
+    """A checksum of a prompt's ids: `land` finds each answer by its job, the prompt's length and this."""
+    return zlib.crc32(np.asarray(prompt, np.int64).tobytes())
 
-    def run(turn: int, jobs: list[int], rows: list[int], prompts: list[list[int]]) -> bool:
-        nonlocal tokens, last_save
-        for group in _groups(jobs, max_rows):
-            for sub in _batches([len(prompts[i]) for i in group], max_rows, max_rows * max_prompt):
-                if time.perf_counter() > deadline:
-                    _log(f"generation deadline: stopping with {len(got)} responses", t0)
-                    return False
-                part = [group[i] for i in sub]
-                tb = time.perf_counter()
-                outs, _ = greedy(model, [prompts[i] for i in part], max_new, eos_ids, device)
-                for i, o in zip(part, outs):
-                    got[(turn, rows[i])] = (prompts[i], o)
-                new = sum(len(o) for o in outs)
-                tokens += new
-                _log(f"turn {turn}: {len(part)} prompts (<= {max(len(prompts[i]) for i in part)} tokens), {new} new "
-                     f"tokens in {time.perf_counter() - tb:.1f} s; {len(got)} responses, {tokens} tokens", t0)
-            done.extend(sorted(set(jobs[i] for i in group)))
-            if time.perf_counter() - last_save > 60:
-                save(got, done)
-                last_save = time.perf_counter()
-        return True
 
-    if not run(1, job["t1_job"].tolist(), job["t1_row"].tolist(), t1):
-        return got, done
-    prompt_of = dict(zip(job["t1_row"].tolist(), t1))
+def turn2_units(job: dict, spec: dict, first: dict[int, list[int]]) -> list[Any]:
+    """The job's turn-2 prompts as `slots.Unit`s keyed (2, job, plan row), one unit per (column of sibling jobs, row):
+    each is the row's turn-1 sequence (from `first`, this run's answers, else the corpus) + a follow-up, skipped
+    where `GreedySource.make` skips it (a first answer cut at max_new_tokens, or too long a prompt)."""
+    from bench.torch_ref.slots import Unit
+
+    first = {**turn1_sequences(Path(spec["corpus"]), sorted(set(job["t2_parents"].tolist()) - set(
+        job["t1_job"].tolist())), spec["eos_ids"]), **first}
     follow = [job["follow_tok"][a:b].tolist() for a, b in zip(job["follow_off"][:-1], job["follow_off"][1:])]
-    fixed = [job["t2_fixed_tok"][a:b].tolist() for a, b in zip(job["t2_fixed_off"][:-1], job["t2_fixed_off"][1:])]
-    eos = set(eos_ids)
-    jobs2, rows2, prompts2 = [], [], []
-    for k, r in enumerate(job["t2_row"].tolist()):
-        if job["t2_has_fixed"][k]:
-            p = fixed[k]
-        else:  # the turn-1 sequence (prompt + answer ending with eos) + the follow-up: train/greedy.py
-            first = got.get((1, r), ([], []))[1]
-            p = prompt_of[r] + first + follow[int(job["t2_follow"][k])] if first and first[-1] in eos else []
-        if 0 < len(p) <= max_prompt:
-            jobs2.append(int(job["t2_job"][k]))
-            rows2.append(r)
-            prompts2.append(p)
-    run(2, jobs2, rows2, prompts2)
+    units: dict[tuple[int, int], Any] = {}
+    for j, r, k, c in zip(*(job[x].tolist() for x in ("t2_job", "t2_row", "t2_follow", "t2_column"))):
+        prefix = first.get(r)
+        if prefix is None or len(prefix) + len(follow[k]) > spec["max_prompt_tokens"]:
+            continue
+        u = units.setdefault((c, r), Unit(prefix, [], []))
+        u.follows.append(follow[k])
+        u.keys.append((2, j, r))
+    return list(units.values())
+
+
+def generate_all(model: Any, job: dict, spec: dict, device: str, deadline: float, t0: float, slots: int,
+                 save: Any) -> tuple[dict[tuple[int, int, int], tuple[list[int], list[int]]], list[int]]:
+    """Greedy answers, (prompt, answer) keyed by (turn, job, plan row), and the jobs all of
+    whose prompts were answered: turn 1 first, then turn 2 (whose prompts need turn 1's sequences, from the corpus
+    or this run), job by job in the job's order, on a continuous batch of `slots` sequences
+    (`bench/torch_ref/slots.py`); the turn-2 passes over one sequence prefill it once."""
+    from bench.torch_ref.slots import Unit, generate
+
+    eos_ids, max_new, max_prompt = spec["eos_ids"], spec["max_new_tokens"], spec["max_prompt_tokens"]
+    got: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
+    prompts: dict[tuple[int, int, int], list[int]] = {}
+    left: dict[int, int] = {}  # prompts still unanswered, by job
+    done: list[int] = []
+    tokens, last_save, tg = 0, time.perf_counter(), time.perf_counter()
+
+    def answered(key: tuple[int, int, int], resp: list[int]) -> None:
+        nonlocal tokens, last_save
+        got[key] = (prompts[key], resp)
+        tokens += len(resp)
+        left[key[1]] -= 1
+        if not left[key[1]]:
+            done.append(key[1])
+            _log(f"{len(done)} shards done: {len(got)} answers, {tokens} tokens, "
+                 f"{tokens / (time.perf_counter() - tg):.0f} tokens/s", t0)
+        if time.perf_counter() - last_save > 60:
+            save(got, done)
+            last_save = time.perf_counter()
+
+    def run(units: list[Any]) -> None:
+        for u in units:
+            for f, key in zip(u.follows, u.keys):
+                prompts[key] = u.prefix + f
+                left[key[1]] = left.get(key[1], 0) + 1
+        if units:
+            generate(model, units, max_new, eos_ids, device, slots=slots, max_len=max_prompt + max_new,
+                     deadline=deadline, on_answer=answered)
+
+    t1_job, t1_row = job["t1_job"].tolist(), job["t1_row"].tolist()
+    t1 = [job["t1_tok"][a:b].tolist() for a, b in zip(job["t1_off"][:-1], job["t1_off"][1:])]
+    run([Unit(p[:-1], [p[-1:]], [(1, j, r)]) for j, r, p in zip(t1_job, t1_row, t1)])
+    first = {r: p + got[(1, j, r)][1] for j, r, p in zip(t1_job, t1_row, t1)
+             if (1, j, r) in got and got[(1, j, r)][1][-1] in eos_ids}
+    run(turn2_units(job, spec, first))
+    for j in sorted(set(job["t2_job"].tolist()) | set(t1_job)):
+        if left.get(j, 0) == 0 and j not in done:
+            done.append(j)  # every prompt skipped: a shard with no sequences
     return got, done
 
 
-def _flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    return (np.array([t for x in seqs for t in x], np.uint16), np.cumsum([0] + [len(x) for x in seqs]).astype(np.int64))
+SEQ_PART_TOKENS = 6_000_000  # answer tokens per returned sequences file (uint16: well under 16 MiB)
 
 
-def _save_sequences(out: Path, got: dict[tuple[int, int], tuple[list[int], list[int]]], done: list[int]) -> None:
-    """sequences-1.npz and sequences-2.npz (one per turn: each stays well under the 16 MB a returned file may have)."""
-    for turn in (1, 2):
-        keys = sorted(k for k in got if k[0] == turn)
-        p_tok, p_off = _flat([got[k][0] for k in keys])
-        r_tok, r_off = _flat([got[k][1] for k in keys])
-        path = out / f"sequences-{turn}.npz"
-        tmp = out / f".sequences-{turn}.tmp.npz"
-        np.savez_compressed(tmp, row=np.array([k[1] for k in keys], np.int64), prompt_tok=p_tok, prompt_off=p_off,
-                            resp_tok=r_tok, resp_off=r_off, done=np.array(sorted(done), np.int64))
-        tmp.replace(path)
+def _save_sequences(out: Path, got: dict[tuple[int, int, int], tuple[list[int], list[int]]], done: list[int]) -> None:
+    """sequences-<k>.npz: the answers of finished jobs (turn, job, row; the prompt's length and checksum; the
+    answer), in files of at most SEQ_PART_TOKENS answer tokens (a returned file may hold 16 MiB)."""
+    finished = set(done)
+    parts: list[list[tuple[int, int, int]]] = [[]]
+    n = 0
+    for k in sorted(k for k in got if k[1] in finished):
+        if parts[-1] and n + len(got[k][1]) > SEQ_PART_TOKENS:
+            parts.append([])
+            n = 0
+        parts[-1].append(k)
+        n += len(got[k][1])
+    for i, part in enumerate(parts):
+        resp = [got[k][1] for k in part]
+        tmp = out / f".sequences-{i}.tmp.npz"
+        np.savez_compressed(tmp, key=np.array(part, np.int64).reshape(-1, 3),
+                            prompt_len=np.array([len(got[k][0]) for k in part], np.int64),
+                            prompt_crc=np.array([prompt_check(got[k][0]) for k in part], np.int64),
+                            resp_tok=np.array([t for r in resp for t in r], np.uint16),
+                            resp_off=np.cumsum([0] + [len(r) for r in resp]).astype(np.int64),
+                            done=np.array(sorted(finished), np.int64))
+        tmp.replace(out / f"sequences-{i}.npz")
 
 
-def load_sequences(result_dir: Path) -> tuple[dict[tuple[int, int], tuple[list[int], list[int]]], set[int]]:
-    """What `_save_sequences` wrote: (prompt, response) by (turn, row), and the finished shards."""
-    got, done = {}, set()
-    for turn in (1, 2):
-        with np.load(result_dir / f"sequences-{turn}.npz") as z:
-            pt, po, rt, ro = (z[k].astype(np.int64) for k in ("prompt_tok", "prompt_off", "resp_tok", "resp_off"))
-            got.update({(turn, int(r)): (pt[po[k]:po[k + 1]].tolist(), rt[ro[k]:ro[k + 1]].tolist())
-                        for k, r in enumerate(z["row"])})
+def load_sequences(result_dir: Path) -> tuple[dict[tuple[int, int, int], list[int]], set[int]]:
+    """What `_save_sequences` wrote: answers by (job, prompt length, prompt checksum), and the finished jobs."""
+    got: dict[tuple[int, int, int], list[int]] = {}
+    done: set[int] = set()
+    for path in sorted(result_dir.glob("sequences-*.npz")):
+        with np.load(path) as z:
+            rt, ro = z["resp_tok"].astype(np.int64), z["resp_off"]
+            for i, (key, n, crc) in enumerate(zip(z["key"].tolist(), z["prompt_len"].tolist(),
+                                                   z["prompt_crc"].tolist())):
+                got[(key[1], n, crc)] = rt[ro[i]:ro[i + 1]].tolist()
             done |= set(z["done"].tolist())
     return got, done
 
@@ -697,10 +738,11 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
 
 
 def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: int | None = None,
-        max_rows: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
+        slots: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
         variants: tuple[str, ...] = ("soft-fuse3",), init: Path | None = None, parity: bool = True,
-        gguf_dir: Path | None = None) -> None:
-    """Parity, generation, features and training within `budget_s` seconds; results in `out`."""
+        gguf_dir: Path | None = None, train_too: bool = True) -> None:
+    """Parity, generation, features and training (unless not `train_too`) within `budget_s` seconds; results in
+    `out`."""
     import torch
 
     t0 = time.perf_counter()
@@ -709,7 +751,8 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     spec = json.loads((job_dir / "job.json").read_text())
     job = dict(np.load(job_dir / "job.npz"))
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"engine": ENGINE, "torch": torch.__version__, "device": device,
+    report: dict[str, Any] = {"engine": ENGINE, "generation_engine": GEN_ENGINE, "torch": torch.__version__,
+                              "device": device,
                               "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
     import transformers
 
@@ -725,19 +768,29 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
         np.savez_compressed(out / "parity.npz", offsets=np.cumsum([0] + [len(x) for x in ids]),
                             ids=np.array([t for x in ids for t in x], np.int64), top5=np.concatenate(tops))
         _log(f"parity: {len(par)} prompts, {sum(map(len, ids))} tokens in {time.perf_counter() - tp:.1f} s", t0)
+        from bench.torch_ref.slots import Unit, generate
+
+        mine = generate(model, [Unit(p[:-1], [p[-1:]], [k]) for k, p in enumerate(par)],
+                        spec["parity_max_new_tokens"], spec["eos_ids"], device, slots=8,
+                        max_len=max(map(len, par)) + spec["parity_max_new_tokens"])
+        same = sum(a == b for k, x in enumerate(ids) for a, b in zip(x, mine[k]))
+        report["slot_parity"] = {"tokens": sum(map(len, ids)), "equal_to_transformers": same,
+                                 "prompts_equal": sum(mine[k] == x for k, x in enumerate(ids))}
+        _log(f"slot engine vs transformers: {report['slot_parity']}", t0)
 
     # (2) greedy answers
     gen_deadline = t0 + budget_s * gen_share
     if limit:  # a dry run: `limit` prompts of each turn, short answers
         job["t1_row"], job["t1_job"] = job["t1_row"][:limit], job["t1_job"][:limit]
         job["t1_off"] = job["t1_off"][: limit + 1]
-        for key in ("t2_job", "t2_row", "t2_follow", "t2_has_fixed"):
+        for key in ("t2_job", "t2_row", "t2_follow", "t2_column"):
             job[key] = job[key][:limit]
-        job["t2_fixed_off"] = job["t2_fixed_off"][: limit + 1]
         spec["max_new_tokens"] = min(spec["max_new_tokens"], 16)
     tg = time.perf_counter()
-    got, done = generate_all(model, job, spec, device, gen_deadline, t0, max_rows,
-                             lambda g, d: _save_sequences(out, g, d))
+    got, done = {}, []
+    if gen_share > 0:
+        got, done = generate_all(model, job, spec, device, gen_deadline, t0, slots,
+                                 lambda g, d: _save_sequences(out, g, d))
     _save_sequences(out, got, done)
     if device == "cuda":
         torch.cuda.empty_cache()  # the generation's KV caches
@@ -746,11 +799,16 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
                             "seconds": round(time.perf_counter() - tg, 1),
                             "tokens_per_s": round(gen_tokens / max(time.perf_counter() - tg, 1e-9), 1)}
     _log(f"generation: {report['generation']}", t0)
+    if not train_too:
+        report["total_s"] = round(time.perf_counter() - t0, 1)
+        (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        _log("done", t0)
+        return
 
     # (3) features of the committed corpus and the new sequences
     tf = time.perf_counter()
     seqs = corpus_sequences(Path(spec["corpus"]), limit)
-    new = [(np.asarray(p + r, np.int64), len(p)) for p, r in got.values() if r]
+    new = [(np.asarray(p + r, np.int64), len(p)) for p, r in got.values() if r]  # noqa: RUF005
     text: list[tuple[np.ndarray, int]] = []
     if any(VARIANTS[v].text for v in variants):  # the fixed text's train shards; its held-out shard stays out
         if not spec.get("text_corpus"):
@@ -788,7 +846,6 @@ def land(result_dir: Path, prompts_file: Path, corpus_dir: Path) -> None:
 
     target = load_target(None)
     got, done = load_sequences(result_dir)
-    answer = {tuple(p): r for p, r in got.values()}
     report = json.loads((result_dir / "report.json").read_text())
     rate = report["generation"]["tokens"] / max(report["generation"]["seconds"], 1e-9)  # the run's, shared out
 
@@ -802,16 +859,18 @@ def land(result_dir: Path, prompts_file: Path, corpus_dir: Path) -> None:
             return []  # answers are looked up one shard at a time (`answer`), never generated here
 
         def answer(self, prompts):
-            missing = sum(tuple(p) not in answer for p in prompts)
+            keys = [(self.job.index, len(p), prompt_check(p)) for p in prompts]
+            missing = sum(k not in got for k in keys)
             if missing:
                 raise UserError(f"{result_dir}: {missing} prompts of a finished shard have no answer: the run and "
                                 f"this plan differ (run prepare again before the next run)")
-            return [answer[tuple(p)] for p in prompts], None
+            return [got[k] for k in keys], None
 
         def make(self, job, corpus, progress):
+            self.job = job
             made = super().make(job, corpus, progress)
             resp = made.response_tokens
-            made.info.update(engine=ENGINE, device=report.get("device_name", "?"),
+            made.info.update(engine=report.get("generation_engine", ENGINE), device=report.get("device_name", "?"),
                              seconds=round(resp / rate, 1), new_tokens_per_s=round(rate, 1))
             return made
 
@@ -919,7 +978,7 @@ def _main() -> None:
     r.add_argument("--budget-s", type=float, default=450)
     r.add_argument("--device", default="cuda")
     r.add_argument("--limit", type=int, default=None, help="a dry run: this many prompts and sequences per shard")
-    r.add_argument("--max-rows", type=int, default=512)
+    r.add_argument("--slots", type=int, default=512, help="sequences generated at once")
     r.add_argument("--batch", type=int, default=1024)
     r.add_argument("--lr", type=float, default=5e-4)
     r.add_argument("--gen-share", type=float, default=0.5)
@@ -928,6 +987,7 @@ def _main() -> None:
     r.add_argument("--init", type=Path, default=None, help="start from these drafter weights (same shape)")
     r.add_argument("--no-parity", action="store_true")
     r.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUF parts are (default: the job folder)")
+    r.add_argument("--generate-only", action="store_true", help="no features and no training after generation")
     m = sub.add_parser("land")
     m.add_argument("result", type=Path)
     m.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
@@ -944,8 +1004,8 @@ def _main() -> None:
         prepare(a.job, a.prompts, a.corpus, from_end=a.from_end, max_shards=a.max_shards,
                 text_corpus=a.text_corpus)
     elif a.cmd == "run":
-        run(a.job, a.out, a.budget_s, a.device, a.limit, a.max_rows, a.batch, a.lr, a.gen_share,
-            tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir)
+        run(a.job, a.out, a.budget_s, a.device, a.limit, a.slots, a.batch, a.lr, a.gen_share,
+            tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir, not a.generate_only)
     elif a.cmd == "parity":
         parity(a.result, a.job)
     else:
