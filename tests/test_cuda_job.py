@@ -52,6 +52,17 @@ def test_slot_engine_answers_what_the_runtime_answers(target, hf, chat_ids):
         assert theirs == {k: expected[k] for u in some for k in u.keys}
 
 
+def test_slot_engine_stops_admitting_before_its_deadline(hf, chat_ids):
+    """Within `drain_s` of the deadline no unit starts: what is queued is left for another run, without error."""
+    import time
+
+    from bench.torch_ref.slots import Unit, generate
+
+    units = [Unit(chat_ids[0][:-1], [chat_ids[0][-1:]], ["a"])]
+    assert generate(hf, units, 4, [0], "cpu", slots=2, max_len=128, deadline=time.perf_counter() + 60,
+                    drain_s=120) == {}
+
+
 def test_turn2_prompts_built_there_are_the_plans(target, tmp_path):
     """The job sends no turn-2 prompts, only which rows and follow-ups: the CUDA machine rebuilds each from the
     turn-1 shards of the corpus, and gets the prompts the plan's own code makes (cut first answers skipped)."""

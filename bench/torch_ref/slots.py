@@ -206,11 +206,13 @@ def generate(model: Any, units: list[Unit], max_new: int, eos_ids: list[int], de
             now = time.perf_counter()
             if deadline is not None and now > deadline:
                 break
-            if queue and (deadline is None or now < deadline - drain_s) and (
-                    len(free) >= max(1, slots // 8) or not running):
+            may_admit = bool(queue) and (deadline is None or now < deadline - drain_s)
+            if may_admit and (len(free) >= max(1, slots // 8) or not running):
                 admit()
-                if not running:
-                    continue
+            if not running:
+                if may_admit:
+                    continue  # every unit admitted answered at once
+                break  # draining before the deadline: the rest of the queue waits for another run
             span = max(length[s] for s in running) + 1
             start = torch.tensor(length, device=device)
             nxt = sm.next_tokens(sm.forward(sm.all_slots, cur[:, None], start, span))
