@@ -154,7 +154,12 @@ WIDEN_VARIANT(widen512, __attribute__((target("avx512f"))), __m512, 16, halves16
 WIDEN_VARIANT(widen256, __attribute__((target("avx2,fma,f16c"))), __m256, 8, halves8, nibbles8, bytes8,
               _mm256_set1_ps, _mm256_mul_ps, _mm256_add_ps)
 
-#define ROWS_VARIANT(NAME, TARGET, V, LANES, WIDEN, LOADX, FMA, ZERO, SUM, MAXM)                                     \
+using WidenFn = void (*)(const Args&, int, float*);  // a weight row's whole vectors, widened into a buffer
+
+#define ROWS_VARIANT(NAME, TARGET, V, LANES, WIDEN, LOADX, STOREV, FMA, ZERO, SUM, MAXM)                           \
+    TARGET [[maybe_unused]] static void NAME##_widen(const Args& a, int n, float* dst) {                                         \
+        for (int k = 0; k + LANES <= a.K; k += LANES) STOREV(dst + k, WIDEN(a, n, k));                             \
+    }                                                                                                              \
     template <int MM>                                                                                              \
     TARGET static inline void NAME##_block(const Args& a, int m0, int n0, int n1) {                                \
         const float* x = a.x + (int64_t)m0 * a.ldx;                                                                \
@@ -211,9 +216,9 @@ __attribute__((target("avx2,fma,f16c"))) static inline float sum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 ROWS_VARIANT(rows_avx512, __attribute__((target("avx512f"))), __m512, 16, widen512, _mm512_loadu_ps,
-             _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_reduce_add_ps, 8)
+             _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_reduce_add_ps, 8)
 ROWS_VARIANT(rows_avx2, __attribute__((target("avx2,fma,f16c"))), __m256, 8, widen256, _mm256_loadu_ps,
-             _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
+             _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
 
 // 4-bit rows on AVX-512, the target's common case: each group's 16 possible values scale x q + bias are computed
 // once (the same multiply and add as widen512, so the same floats) into a register, and every 16 weights are one
@@ -260,7 +265,79 @@ __attribute__((target("avx512f"))) static inline void q4_block512(const Args& a,
     }
 }
 
+// A 4-bit row widened into dst by the same table and permutes (the wide path's widening).
+__attribute__((target("avx512f"))) static void q4_widen512(const Args& a, int n, float* dst) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const uint8_t* w = a.w + (int64_t)n * a.ldw;
+    const float *s = a.s + (int64_t)n * a.lds, *b = a.b + (int64_t)n * a.lds;
+    __m512 t = iota;
+    for (int k = 0; k < a.K; k += 16) {
+        if (k % a.group == 0)
+            t = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s[k / a.group])), _mm512_set1_ps(b[k / a.group]));
+        const __m128i d = _mm_loadl_epi64((const __m128i*)(w + k / 2));
+        const __m512i i = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(d, d)), shifts);
+        _mm512_storeu_ps(dst + k, _mm512_permutexvar_ps(i, t));
+    }
+}
+
+// More than 8 rows of x on AVX-512: blocks of 4 weight rows widened once into a buffer, then multiplied into
+// chunks of at most 6 rows of x with 4 x 6 accumulators, as the small-GEMM kernel does from float32 weights (the
+// same order of sums, so the same bits).
+template <int MM>
+__attribute__((target("avx512f"))) static inline void wide4_512(const Args& a, int m0, const float* wb, int64_t ldb,
+                                                                int n, int valid) {
+    const float* x = a.x + (int64_t)m0 * a.ldx;
+    const int Kv = a.K / 16 * 16;
+    __m512 acc[MM][4];
+    for (int m = 0; m < MM; ++m)
+        for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int k = 0; k < Kv; k += 16) {
+        const __m512 w0 = _mm512_loadu_ps(wb + k), w1 = _mm512_loadu_ps(wb + ldb + k);
+        const __m512 w2 = _mm512_loadu_ps(wb + 2 * ldb + k), w3 = _mm512_loadu_ps(wb + 3 * ldb + k);
+        for (int m = 0; m < MM; ++m) {
+            const __m512 xv = _mm512_loadu_ps(x + (int64_t)m * a.ldx + k);
+            acc[m][0] = _mm512_fmadd_ps(w0, xv, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(w1, xv, acc[m][1]);
+            acc[m][2] = _mm512_fmadd_ps(w2, xv, acc[m][2]);
+            acc[m][3] = _mm512_fmadd_ps(w3, xv, acc[m][3]);
+        }
+    }
+    for (int m = 0; m < MM; ++m) {
+        const float* xm = x + (int64_t)m * a.ldx;
+        float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
+        for (int r = 0; r < valid; ++r) {
+            float s = _mm512_reduce_add_ps(acc[m][r]);
+            for (int k = Kv; k < a.K; ++k) s += weight_at(a, n + r, k) * xm[k];
+            ym[n + r] = s;
+        }
+    }
+}
+
+__attribute__((target("avx512f"))) static void wide512(const Args& a, int n0, int n1, WidenFn widen_into) {
+    const int64_t ldb = (a.K + 15) / 16 * 16;
+    std::vector<float> buf(4 * ldb);
+    const int chunks = (a.M + 5) / 6, small = a.M / chunks, big = a.M % chunks;  // chunk sizes differ by <= 1
+    for (int n = n0; n < n1; n += 4) {
+        const int valid = std::min(4, n1 - n);
+        for (int r = 0; r < 4; ++r) widen_into(a, n + std::min(r, valid - 1), buf.data() + r * ldb);
+        for (int c = 0, m0 = 0; c < chunks; ++c) {
+            const int mm = small + (c < big);
+            switch (mm) {
+                case 1: wide4_512<1>(a, m0, buf.data(), ldb, n, valid); break;
+                case 2: wide4_512<2>(a, m0, buf.data(), ldb, n, valid); break;
+                case 3: wide4_512<3>(a, m0, buf.data(), ldb, n, valid); break;
+                case 4: wide4_512<4>(a, m0, buf.data(), ldb, n, valid); break;
+                case 5: wide4_512<5>(a, m0, buf.data(), ldb, n, valid); break;
+                default: wide4_512<6>(a, m0, buf.data(), ldb, n, valid); break;
+            }
+            m0 += mm;
+        }
+    }
+}
+
 __attribute__((target("avx512f"))) static void rows_avx512_any(const Args& a, int n0, int n1) {
+    if (a.M > 8) return wide512(a, n0, n1, a.kind == Q4 ? q4_widen512 : rows_avx512_widen);
     if (a.kind != Q4) return rows_avx512(a, n0, n1);
     for (int m0 = 0; m0 < a.M; m0 += 8) {
         switch (std::min(8, a.M - m0)) {
