@@ -13,7 +13,7 @@ from mlx_redrafter.errors import UserError
 from mlx_redrafter.train.corpus import Corpus, load_shard
 from mlx_redrafter.train.distill import grow, partial_path
 from mlx_redrafter.train.features import feature_paths, teacher_forced
-from mlx_redrafter.train.greedy import GreedySource, generate_greedy
+from mlx_redrafter.train.greedy import GreedySource, follow_up_suffix, generate_greedy
 from mlx_redrafter.train.loop import TrainConfig, train_drafter
 from mlx_redrafter.train.pipeline import prepare
 from mlx_redrafter.train.plan import FOLLOW_UPS, Settings, follow_choice, hash_unit, plan_jobs
@@ -204,6 +204,28 @@ def test_the_plan_goes_on_after_the_prompts_without_renumbering_a_shard():
         assert sorted(asked) == sorted(r for j in group for r in j.rows)
         assert all(sorted(v) == list(range(len(FOLLOW_UPS))) for v in asked.values())
     assert first[5].rows == [r for j in first[1:5] for r in j.rows if hash_unit(f"turn2:0:{r}") < 0.25]
+
+
+def test_committed_turn2_shards_ask_the_follow_ups_the_plan_gives_them(target):
+    """The plan grows by later rounds of follow-ups without changing what an earlier pass asks: every committed
+    turn-2 shard's prompts end with the follow-up `follow_choice` gives its row and pass today."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "data" / "corpus" / "smollm2-135m"
+    c = Corpus(root)
+    s = Settings(**json.loads((root / "manifest.json").read_text())["settings"])
+    n_rows = 1 + max(e["plan_rows"][1] for e in c.entries.values() if e["turn"] == 1)
+    jobs = {j.name: j for j in plan_jobs(n_rows, s)}
+    suffixes = [follow_up_suffix(target, t) for t in FOLLOW_UPS]
+    checked = 0
+    for name in sorted(n for n, e in c.entries.items() if e["turn"] == 2)[::20]:
+        sh = load_shard(root / name)
+        for i in range(min(3, len(sh.prompt_len))):
+            prompt = sh.sequence(i)[: sh.prompt_len[i]].tolist()
+            want = suffixes[follow_choice(int(sh.prompt_index[i]), jobs[name].follow_pass, s)]
+            assert prompt[-len(want):] == want
+            checked += 1
+    assert checked > 60
 
 
 def test_turn2_sequences_continue_the_first_answer(target, corpus_dirs):

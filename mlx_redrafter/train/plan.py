@@ -8,7 +8,8 @@ first and the pool's math and code share trickles in later; every prompt is even
 Once every prompt has its first answer, the plan goes on (so that a data job never runs out of work): further
 turn-2 passes continue the other quarters of each group's sequences, each pass with its own draw of follow-ups
 (one cycle of passes: every sequence continued once); then more cycles, in each of which every sequence is asked a
-follow-up it has not been asked before (`follow_choice`), until each has been asked every one of FOLLOW_UPS.
+follow-up it has not been asked before (`follow_choice`), until each has been asked every one of FOLLOW_UPS (whose
+later rounds were added as the earlier ran out: their passes come after the earlier rounds').
 Shards already made keep their numbers: the passes come after them.
 """
 
@@ -27,6 +28,7 @@ LICENSES = {
     "gpteacher_roleplay": "MIT", "oasst": "Apache-2.0", "self_instruct_seed": "Apache-2.0",
 }
 FOLLOW_UPS = [
+    # round 1
     "Make that shorter.",
     "Can you expand on that with more detail?",
     "Rewrite your answer as a bulleted list.",
@@ -37,7 +39,19 @@ FOLLOW_UPS = [
     "What is the most important point in your answer?",
     "Now write it again, but friendlier.",
     "Are you sure? Double-check your answer.",
+    # round 2
+    "Give me three more examples.",
+    "What are the pros and cons?",
+    "Turn that into a short story.",
+    "Explain the reasoning step by step.",
+    "What would an expert add to this?",
+    "Write a short poem about it.",
+    "What should I ask next to learn more?",
+    "Rewrite it as an email to a colleague.",
+    "What mistakes do people often make here?",
+    "Give it a title and a one-paragraph summary.",
 ]
+FOLLOW_UP_ROUNDS = (10, 10)  # FOLLOW_UPS in rounds: a round's passes come after the earlier rounds' (none renumbered)
 
 
 @dataclass
@@ -82,12 +96,21 @@ def plan_order(rows: list[dict], seed: int) -> list[int]:
 
 
 def follow_choice(row: int, follow_pass: int, s: Settings) -> int:
-    """Which follow-up (an index into FOLLOW_UPS) the turn-2 sequence of plan row `row` asks in a pass: a draw per
-    row and pass within the first cycle of `turn2_every` passes (where each row is continued once), then in cycle c
-    that draw shifted by c, so a row is never asked the same follow-up twice."""
+    """Which follow-up (an index into FOLLOW_UPS) the turn-2 sequence of plan row `row` asks in a pass. Within a
+    round of n follow-ups (`FOLLOW_UP_ROUNDS`, turn2_every x n passes): a draw per row and pass within the round's
+    first cycle of `turn2_every` passes (where each row is continued once), then in cycle c that draw shifted by c,
+    so a row is never asked the same follow-up twice."""
+    first = 0  # the round's first pass and first follow-up
+    for rnd, n in enumerate(FOLLOW_UP_ROUNDS):
+        if follow_pass < s.turn2_every * n or rnd == len(FOLLOW_UP_ROUNDS) - 1:
+            break
+        follow_pass -= s.turn2_every * n
+        first += n
     part, cycle = follow_pass % s.turn2_every, follow_pass // s.turn2_every
     key = f"follow:{s.seed}:{row}" if part == 0 else f"follow:{s.seed}:{part}:{row}"
-    return (int(hash_unit(key) * len(FOLLOW_UPS)) + cycle) % len(FOLLOW_UPS)
+    if rnd:
+        key += f":round{rnd}"
+    return first + (int(hash_unit(key) * n) + cycle) % n
 
 
 def plan_jobs(n_rows: int, s: Settings, turn2: bool = True) -> list[Job]:
