@@ -124,6 +124,22 @@ def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
             row += len(s) - P
 
 
+def test_strided_features_keep_every_label_and_the_states_of_every_nth_position(hf, chat_ids):
+    """With a stride, drafts start from every n-th position of each sequence (the states of those only are kept)
+    and still read the labels of every later position: the same batch as the full features give there."""
+    from bench.torch_ref.cuda_job import Features
+
+    seqs = [(np.array(chat_ids[1][:20]), 9), (np.array(chat_ids[2][:15]), 4), (np.array(chat_ids[3][:6]), 5)]
+    full = Features(hf, seqs, "cpu", taps=(2,))
+    third = Features(hf, seqs, "cpu", taps=(2,), stride=3)
+    assert len(full) == 11 + 11 + 1 and len(third) == 4 + 4 + 1 and third.starts_of(2) == 8
+    lut = torch.arange(hf.config.vocab_size)
+    a = full.batch(third.start, 4, lut)
+    b = third.batch(torch.arange(len(third)), 4, lut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
     from bench.torch_ref.cuda_job import GEN_ENGINE, _save_sequences, land, prepare
     from mlx_redrafter.train.corpus import Corpus

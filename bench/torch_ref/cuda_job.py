@@ -443,11 +443,14 @@ def corpus_sequences(corpus_dir: Path, limit: int | None = None) -> dict[str, li
 
 
 class Features:
-    """Context positions of a set of sequences: hidden states h_p (float16), the target's top-8 at p (labels for
-    the step that ends at p), x_p's index into `tokens` and one past the end of p's sequence (all on the GPU)."""
+    """Context positions of a set of sequences: the target's top-8 at every position p (labels for the step that
+    ends at p), x_p's index into `tokens` and one past the end of p's sequence; and the hidden states h_p (float16;
+    with `taps`, those layers' too) of the positions a draft may start from: every `stride`-th of a sequence, so
+    that a corpus too large for the GPU's memory keeps all its sequences (~4.6 KB a start with three taps, 64 bytes
+    a position). All on the GPU; `len` and `batch` count starts."""
 
     def __init__(self, model: Any, seqs: list[tuple[np.ndarray, int]], device: str, max_tokens: int = 65536,
-                 taps: tuple[int, ...] = ()):
+                 taps: tuple[int, ...] = (), stride: int = 1):
         import torch
 
         from bench.torch_ref.target import layer_outputs, rms_normalized
@@ -458,14 +461,19 @@ class Features:
         ctx_counts = [len(s) - P for s, P in seqs]  # p = P-1 .. n-2
         cstart = np.cumsum([0] + ctx_counts)
         C = int(cstart[-1])
+        n_starts = [-(-c // stride) for c in ctx_counts]
+        sstart = np.cumsum([0] + n_starts)
+        self.start = torch.cat([torch.arange(int(cstart[i]), int(cstart[i + 1]), stride) for i in range(len(seqs))]
+                               + [torch.zeros(0, dtype=torch.long)]).to(device)  # position of each start
         H = model.config.hidden_size
-        self.hidden = torch.empty((C, H), dtype=torch.float16, device=device)
+        S = int(sstart[-1])
+        self.hidden = torch.empty((S, H), dtype=torch.float16, device=device)
         self.top_ids = torch.empty((C, TOP_K), dtype=torch.int32, device=device)
         self.top_logp = torch.empty((C, TOP_K), dtype=torch.float16, device=device)
         self.tok_index = torch.empty(C, dtype=torch.long, device=device)
         self.seq_end = torch.empty(C, dtype=torch.long, device=device)
         self.taps = taps
-        self.tap_hidden = torch.empty((C, len(taps), H), dtype=torch.float16, device=device) if taps else None
+        self.tap_hidden = torch.empty((S, len(taps), H), dtype=torch.float16, device=device) if taps else None
         with torch.no_grad(), layer_outputs(model, taps) as caught:
             for part in _batches(lens, 512, max_tokens):
                 n = max(lens[i] for i in part)
@@ -477,10 +485,12 @@ class Features:
                 h = model.model(input_ids=ids, attention_mask=am).last_hidden_state  # post-norm
                 for b, i in enumerate(part):
                     P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
+                    s0, s1 = int(sstart[i]), int(sstart[i + 1])
                     hp = h[b, P - 1 : lens[i] - 1]
-                    self.hidden[c0:c1] = hp.half()
+                    self.hidden[s0:s1] = hp[::stride].half()
                     for j, layer in enumerate(taps):
-                        self.tap_hidden[c0:c1, j] = rms_normalized(caught[layer][b, P - 1 : lens[i] - 1]).half()
+                        tapped = caught[layer][b, P - 1 : lens[i] - 1][::stride]
+                        self.tap_hidden[s0:s1, j] = rms_normalized(tapped).half()
                     for r0 in range(0, len(hp), 8192):
                         logits = model.lm_head(hp[r0 : r0 + 8192]).float()
                         v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
@@ -490,15 +500,21 @@ class Features:
                                                          device=device)
                     self.seq_end[c0:c1] = int(starts[i + 1])
         self.sequences = len(seqs)
+        self.seq_starts = sstart
         self.response_tokens = int(sum(ctx_counts))
 
     def __len__(self) -> int:
-        return int(self.tok_index.shape[0])
+        return int(self.start.shape[0])
 
-    def batch(self, idx: Any, T: int, lut: Any) -> dict[str, Any]:
-        """make_batch of train/data.py for context positions idx (on the GPU)."""
+    def starts_of(self, sequences: int) -> int:
+        """Starts of the first `sequences` sequences (they come first in every index)."""
+        return int(self.seq_starts[sequences])
+
+    def batch(self, starts: Any, T: int, lut: Any) -> dict[str, Any]:
+        """make_batch of train/data.py for the drafts that start at `starts` (indices of starts, on the GPU)."""
         import torch
 
+        idx = self.start[starts]  # their context positions
         t0 = self.tok_index[idx]
         steps = torch.arange(1, T + 1, device=idx.device)[None, :]
         valid = t0[:, None] + steps < self.seq_end[idx][:, None] - 1
@@ -509,9 +525,9 @@ class Features:
         k_head = lut[self.top_ids[rows].long()]
         p = torch.exp(self.top_logp[rows].float()) * (k_head >= 0) * valid[..., None]
         p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
-        taps = self.tap_hidden[idx].float() if self.taps else None
-        return {"h": self.hidden[idx].float(), "taps": taps, "x": x, "target": head.clamp(min=0), "weight": w.float(),
-                "valid": valid.float(), "soft_index": k_head.clamp(min=0), "soft_prob": p}
+        taps = self.tap_hidden[starts].float() if self.taps else None
+        return {"h": self.hidden[starts].float(), "taps": taps, "x": x, "target": head.clamp(min=0),
+                "weight": w.float(), "valid": valid.float(), "soft_index": k_head.clamp(min=0), "soft_prob": p}
 
 
 def context_of(drafter: Any, b: dict[str, Any], taps: tuple[int, ...]) -> Any:
@@ -630,11 +646,11 @@ def weight_parts(sd: dict[str, Any], limit: int = PART_BYTES) -> list[dict[str, 
 
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
           t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("soft-fuse3",),
-          init: Path | None = None, greedy_contexts: int | None = None) -> dict:
+          init: Path | None = None, greedy_starts: int | None = None) -> dict:
     """Train one warm-started drafter per variant (`VARIANTS`) until `deadline`, from `drafter_dir`'s weights or
     `init`'s; save each (fp16, its config in the file's metadata). The variants without text draw their batches
-    from the first `greedy_contexts` context positions of `train_f` (the greedy answers), those with text from all
-    of them; variants that draw from the same positions see the same batches."""
+    from the first `greedy_starts` starts of `train_f` (the greedy answers), those with text from all of them;
+    variants that draw from the same starts see the same batches."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -644,7 +660,7 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     base_cfg = start_config(drafter_dir, init)
     weights = {k: t for part in part_files(init or drafter_dir / "model.safetensors")
                for k, t in load_file(str(part)).items()}
-    n_greedy = len(train_f) if greedy_contexts is None else greedy_contexts
+    n_greedy = len(train_f) if greedy_starts is None else greedy_starts
     embed_w = model.model.embed_tokens.weight.detach().float()
 
     def embed(x: Any) -> Any:
@@ -662,12 +678,12 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     dv = models[variants[0]].draft_vocab
     lut[dv] = torch.arange(len(dv), device=device)
     report: dict[str, Any] = {"batch": batch, "lr": lr, "T": T, "init": str(init or drafter_dir),
-                              "train_contexts": len(train_f), "greedy_contexts": n_greedy,
+                              "train_starts": len(train_f), "greedy_starts": n_greedy,
                               "train_sequences": train_f.sequences, "heldout_contexts": len(held_f),
                               "head_coverage": float((lut[train_f.top_ids[:, 0].long()] >= 0).float().mean()),
                               "variants": {v: {**vars(VARIANTS[v]), "config": cfgs[v]} for v in variants},
                               "before": evaluate(models[variants[0]], embed, held_f, lut, T), "history": []}
-    _log(f"train: {len(train_f)} contexts ({n_greedy} greedy, {train_f.sequences} sequences); "
+    _log(f"train: {len(train_f)} starts ({n_greedy} greedy, {train_f.sequences} sequences); "
          f"before: {report['before']}", t0)
 
     def save(v: str) -> None:
@@ -741,11 +757,12 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
         slots: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
         variants: tuple[str, ...] = ("soft-fuse3",), init: Path | None = None, parity: bool = True,
         gguf_dir: Path | None = None, train_too: bool = True, max_positions: int | None = None,
-        feature_tf32: bool = False) -> None:
+        feature_tf32: bool = False, position_stride: int = 1) -> None:
     """Parity, generation, features and training (unless not `train_too`) within `budget_s` seconds; results in
     `out`. `max_positions`: train on a random subset of the corpus' sequences with at most that many context
     positions (each takes ~4.7 KB of GPU memory with three tapped layers: ~15M fit an 80 GB GPU); `feature_tf32`:
-    the feature pass multiplies in TF32 (faster; states and labels then differ from float32 ones by ~1e-3)."""
+    the feature pass multiplies in TF32 (faster; states and labels then differ from float32 ones by ~1e-3);
+    `position_stride`: drafts start from every that-many-th position of a sequence only (`Features`)."""
     import torch
 
     t0 = time.perf_counter()
@@ -832,9 +849,11 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     greedy_contexts = sum(len(s) - P for s, P in seqs["train"] + new)
     start = start_config(Path(spec["drafter"]), init).get("feature_layers") or []
     taps = tuple(sorted({layer for v in variants for layer in VARIANTS[v].taps} | set(start)))
-    train_f = Features(model, seqs["train"] + new + text, device, taps=taps)
+    train_f = Features(model, seqs["train"] + new + text, device, taps=taps, stride=position_stride)
     held_f = Features(model, seqs["heldout"], device, taps=taps)
-    report["features"] = {"train_sequences": train_f.sequences, "train_contexts": len(train_f),
+    greedy_starts = train_f.starts_of(len(seqs["train"]) + len(new))
+    report["features"] = {"train_sequences": train_f.sequences, "train_starts": len(train_f),
+                          "position_stride": position_stride, "greedy_starts": greedy_starts,
                           "greedy_contexts": greedy_contexts, "new_sequences": len(new),
                           "text_sequences": len(text), "heldout_contexts": len(held_f), "tf32": feature_tf32,
                           "seconds": round(time.perf_counter() - tf, 1)}
@@ -844,7 +863,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     # (4) training until the budget's end (a margin for evaluation and saving)
     torch.backends.cuda.matmul.allow_tf32 = True
     report["train"] = train(model, train_f, held_f, Path(spec["drafter"]), out, t0 + budget_s - 20, t0, batch, lr,
-                            variants=variants, init=init, greedy_contexts=greedy_contexts)
+                            variants=variants, init=init, greedy_starts=greedy_starts)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     _log("done", t0)
@@ -1006,6 +1025,8 @@ def _main() -> None:
     r.add_argument("--max-positions", type=int, default=None,
                    help="train on a random subset of the corpus with at most this many context positions")
     r.add_argument("--feature-tf32", action="store_true", help="the feature pass in TF32 (faster, ~1e-3 off)")
+    r.add_argument("--position-stride", type=int, default=1,
+                   help="drafts start from every N-th position only (states of 1/N of the positions in memory)")
     m = sub.add_parser("land")
     m.add_argument("result", type=Path)
     m.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
@@ -1015,6 +1036,8 @@ def _main() -> None:
     q.add_argument("--job", type=Path, default=Path(".gpu"))
     a = ap.parse_args()
     if a.cmd == "run":
+        if a.position_stride < 1 or (a.max_positions is not None and a.max_positions < 1):
+            _fail("--position-stride and --max-positions take a number >= 1")
         unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
         if unknown:
             _fail(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
@@ -1024,7 +1047,7 @@ def _main() -> None:
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.slots, a.batch, a.lr, a.gen_share,
             tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir, not a.generate_only,
-            a.max_positions, a.feature_tf32)
+            a.max_positions, a.feature_tf32, a.position_stride)
     elif a.cmd == "parity":
         parity(a.result, a.job)
     else:
