@@ -61,6 +61,8 @@ def test_slot_engine_stops_admitting_before_its_deadline(hf, chat_ids):
     units = [Unit(chat_ids[0][:-1], [chat_ids[0][-1:]], ["a"])]
     assert generate(hf, units, 4, [0], "cpu", slots=2, max_len=128, deadline=time.perf_counter() + 60,
                     drain_s=120) == {}
+    with pytest.raises(ValueError, match="more follow-ups than"):  # it could never start: refused, not a hang
+        generate(hf, [Unit([1, 2], [[3], [4], [5]], ["a", "b", "c"])], 4, [0], "cpu", slots=2, max_len=16)
 
 
 def test_turn2_prompts_built_there_are_the_plans(target, tmp_path):

@@ -141,6 +141,8 @@ def generate(model: Any, units: list[Unit], max_new: int, eos_ids: list[int], de
     the units' keys, in the order units were given as far as the deadline allows: no unit starts within `drain_s`
     of `deadline`, and whatever is still running at the deadline is dropped. `on_answer(key, answer)` is called as
     each answer finishes. Prefills take at most `admit_tokens` padded tokens at a time."""
+    if any(len(u.follows) > slots for u in units):
+        raise ValueError(f"a unit has more follow-ups than the {slots} slots: give more slots")
     sm = SlotModel(model, slots, max_len, device)
     eos = set(eos_ids)
     queue = deque(units)
@@ -200,7 +202,6 @@ def generate(model: Any, units: list[Unit], max_new: int, eos_ids: list[int], de
             if t in eos or max_new == 1:
                 finish(s)
 
-    steps = 0
     with torch.no_grad():
         while queue or running:
             now = time.perf_counter()
@@ -218,7 +219,6 @@ def generate(model: Any, units: list[Unit], max_new: int, eos_ids: list[int], de
             nxt = sm.next_tokens(sm.forward(sm.all_slots, cur[:, None], start, span))
             cur = nxt
             got = nxt.tolist()  # the step's one host sync
-            steps += 1
             for s in list(running):
                 length[s] += 1
                 r = running[s]
