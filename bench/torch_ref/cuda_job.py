@@ -12,12 +12,13 @@ numpy and safetensors only):
 
 `run` does, within its time budget: (1) CUDA parity: greedy ids and top-5 logits of the MT-bench prompts, for
 comparison with MLX here; (2) the target's greedy answers (float32, TF32 off) to every missing turn-1 prompt of the
-plan, then to its turn-2 prompts (each a finished turn-1 sequence + a follow-up), in left-padded batches that drop
-finished rows, as `train/greedy.py` does; (3) one teacher-forced float32 pass over every train and held-out
-sequence (hidden states at context positions + the target's top-8 labels, as `train/features.py` does), and over
-the fixed-text corpus where a variant asks for it; (4) warm-started drafters trained side by side until the budget
-ends, one per variant of `VARIANTS` (labels, data, shape), with held-out top-1 accuracy per draft step before and
-after (the same measure as `train/loop.py`'s `evaluate`).
+plan, then to its turn-2 prompts (each a turn-1 sequence + a follow-up, rebuilt there from the corpus' turn-1
+shards), on a continuous batch over a slot KV cache (`slots.py`); (3) unless `--generate-only`, one teacher-forced
+pass over every train and held-out sequence (hidden states at draft starts + the target's top-8 labels at every
+context position, as `train/features.py` does; float32 unless `--feature-tf32`), and over the fixed-text corpus
+where a variant asks for it; (4) warm-started drafters trained side by side until the budget ends, one per variant
+of `VARIANTS` (labels, data, shape), with held-out top-1 accuracy per draft step before and after (the same measure
+as `train/loop.py`'s `evaluate`).
 """
 
 from __future__ import annotations
