@@ -154,12 +154,7 @@ WIDEN_VARIANT(widen512, __attribute__((target("avx512f"))), __m512, 16, halves16
 WIDEN_VARIANT(widen256, __attribute__((target("avx2,fma,f16c"))), __m256, 8, halves8, nibbles8, bytes8,
               _mm256_set1_ps, _mm256_mul_ps, _mm256_add_ps)
 
-using WidenFn = void (*)(const Args&, int, float*);  // a weight row's whole vectors, widened into a buffer
-
-#define ROWS_VARIANT(NAME, TARGET, V, LANES, WIDEN, LOADX, STOREV, FMA, ZERO, SUM, MAXM)                           \
-    TARGET [[maybe_unused]] static void NAME##_widen(const Args& a, int n, float* dst) {                                         \
-        for (int k = 0; k + LANES <= a.K; k += LANES) STOREV(dst + k, WIDEN(a, n, k));                             \
-    }                                                                                                              \
+#define ROWS_VARIANT(NAME, TARGET, V, LANES, WIDEN, LOADX, FMA, ZERO, SUM, MAXM)                                     \
     template <int MM>                                                                                              \
     TARGET static inline void NAME##_block(const Args& a, int m0, int n0, int n1) {                                \
         const float* x = a.x + (int64_t)m0 * a.ldx;                                                                \
@@ -216,9 +211,9 @@ __attribute__((target("avx2,fma,f16c"))) static inline float sum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 ROWS_VARIANT(rows_avx512, __attribute__((target("avx512f"))), __m512, 16, widen512, _mm512_loadu_ps,
-             _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_reduce_add_ps, 8)
+             _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_reduce_add_ps, 8)
 ROWS_VARIANT(rows_avx2, __attribute__((target("avx2,fma,f16c"))), __m256, 8, widen256, _mm256_loadu_ps,
-             _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
+             _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
 
 // 4-bit rows on AVX-512, the target's common case: each group's 16 possible values scale x q + bias are computed
 // once (the same multiply and add as widen512, so the same floats) into a register, and every 16 weights are one
@@ -263,6 +258,13 @@ __attribute__((target("avx512f"))) static inline void q4_block512(const Args& a,
             if (two) ym[n + 1] = _mm512_reduce_add_ps(acc1[m]);
         }
     }
+}
+
+using WidenFn = void (*)(const Args&, int, float*);  // a weight row's whole vectors, widened into a buffer
+
+// A float16 or 8-bit row widened into dst as widen512 does (the wide path's widening).
+__attribute__((target("avx512f"))) static void widen_row512(const Args& a, int n, float* dst) {
+    for (int k = 0; k + 16 <= a.K; k += 16) _mm512_storeu_ps(dst + k, widen512(a, n, k));
 }
 
 // A 4-bit row widened into dst by the same table and permutes (the wide path's widening).
@@ -337,7 +339,7 @@ __attribute__((target("avx512f"))) static void wide512(const Args& a, int n0, in
 }
 
 __attribute__((target("avx512f"))) static void rows_avx512_any(const Args& a, int n0, int n1) {
-    if (a.M > 8) return wide512(a, n0, n1, a.kind == Q4 ? q4_widen512 : rows_avx512_widen);
+    if (a.M > 8) return wide512(a, n0, n1, a.kind == Q4 ? q4_widen512 : widen_row512);
     if (a.kind != Q4) return rows_avx512(a, n0, n1);
     for (int m0 = 0; m0 < a.M; m0 += 8) {
         switch (std::min(8, a.M - m0)) {
