@@ -323,3 +323,22 @@ def test_rows_of_different_lengths_verify_ragged_and_exactly(target, prompts, ar
             batch.remove(key)
     assert mixed > 0
     assert_exact(target, [prompts[i] for i in rows], [ar_outputs[i] for i in rows], out)
+
+
+def test_the_budget_gives_each_row_the_length_its_kind_of_draft_pays_for():
+    """No model needed. Two rows copy after a long match (every draft accepted), two draft from the drafter (every
+    draft rejected); a drafted token costs a tenth of a plain step's tokens. Priced by the tokens the step verifies
+    in all, the copying rows take their whole copies and the drafter's rows verify their own token alone, where
+    one common length would have to give every row the same."""
+    curve = CostCurve({b: [1.0 + 0.1 * b * (p - 1) for p in range(1, 10)] for b in (1, 2, 4, 8)})
+    budget = Budget(4, curve, probe=1000, max_probe=1000, copy_length=8)
+    for _ in range(4):
+        budget.join()
+    kinds, offered = ["lookup4", "rnn", "lookup4", "rnn"], [8, None, 8, None]
+    for _ in range(60):
+        lengths = budget.lengths(kinds, offered=offered)
+        tokens = sum(lengths)
+        budget.observe(lengths, [n - 1 if k == "lookup4" else 0 for n, k in zip(lengths, kinds)],
+                       seconds=1.0 + 0.1 * (tokens - 4))
+    assert lengths == [8, 1, 8, 1]
+    assert budget.acceptance("lookup4") > 0.9 and budget.acceptance("rnn") < budget.prior

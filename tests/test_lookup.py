@@ -33,6 +33,7 @@ def test_suffix_index_finds_the_longest_earlier_occurrence():
             assert got[0] == toks[end + 1 : end + 4]
             v = idx.link[idx.last]
             assert idx.length[v] == m
+            assert idx.matched == m
 
 
 def test_ngram_index_prefers_longest_then_most_recent():
@@ -40,6 +41,26 @@ def test_ngram_index_prefers_longest_then_most_recent():
     idx.extend([1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3])
     # "1 2 3" occurred at 0..2 (then 9 5 2); "2 3" most recently at 5..6 (then 8 7 1)
     assert idx.candidates(3, 2) == [[9, 5, 2], [8, 7, 1]]
+
+
+def test_a_copy_is_a_kind_of_draft_by_the_length_of_its_match():
+    """A batched step prices a row by the kind of draft it makes (batch/budget.py): a copy after a longer match is
+    accepted far more often, so the kind names the match (up to `KIND_MATCH` tokens)."""
+    import mlx.core as mx
+
+    from mlx_redrafter.draft.base import DecodeState
+    from mlx_redrafter.draft.lookup import LookupSource
+
+    for context, kind in (([5, 6, 7, 8, 1, 5, 6, 7, 8], "lookup4"), ([1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3], "lookup2"),
+                          ([9, 4, 1, 2, 3, 4], "lookup1")):
+        src = LookupSource(NgramIndex)
+        src.start(context)
+        state = DecodeState(tokens=context, g0=mx.array([context[-1]]), h=mx.zeros((1, 4)))
+        assert src.propose(state, 3, 1) is not None and src.kind == kind
+    src = LookupSource(NgramIndex)
+    src.start([1, 2, 3])
+    assert src.propose(DecodeState(tokens=[1, 2, 3], g0=mx.array([3]), h=mx.zeros((1, 4))), 3, 1) is None
+    assert src.kind == "lookup"
 
 
 def test_lookup_finds_nothing_in_new_text():

@@ -6,9 +6,9 @@ until B x P reaches the point where the products stop being bound by reading the
 with every token. Speculation spends that flat part: a row whose drafts are often accepted gains from a longer
 candidate, a batch of rows whose drafts are rejected loses. `CostCurve` is that cost, measured on this machine for
 this model (`stored_curve` / `measured_curve`: measured once, at the first batched run, and kept beside the tuned
-settings; `python -m bench curve` measures and plots it); `Budget` reads it with each row's recent acceptance of
-the kind of draft it has this step (a context copy or the drafter's) and picks, every step, one candidate length
-for the drafting rows (1 = a plain batched step: speculation backs off).
+settings; `python -m bench curve` measures and plots it); `Budget` reads it with the recent acceptance of the kind
+of draft each row makes this step (a context copy, by the length of its match, or the drafter's) and picks, every
+step, each row's candidate length (1 for every row = a plain batched step: speculation backs off).
 """
 
 from __future__ import annotations
@@ -33,17 +33,22 @@ class CostCurve:
     context: int = 0  # committed tokens per row when measured
     meta: dict = field(default_factory=dict)
 
-    def cost(self, rows: int, tokens: int) -> float:
-        """Seconds for `rows` rows of `tokens` tokens: the nearest measured batch size (the next larger one
-        scaled when `rows` is beyond the curve), linear between measured lengths and past the last."""
+    def cost(self, rows: int, tokens: float) -> float:
+        """Seconds for `rows` rows of `tokens` tokens each (a fraction: rows of different lengths, `tokens` their
+        mean): the nearest measured batch size (the next larger one scaled when `rows` is beyond the curve), linear
+        between measured lengths and past the last."""
         sizes = sorted(self.seconds)
         b = min((s for s in sizes if s >= rows), default=sizes[-1])
         curve = self.seconds[b]
         scale = rows / b if rows > b else 1.0
-        if tokens <= len(curve):
-            return curve[tokens - 1] * scale
         slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
-        return (curve[-1] + slope * (tokens - len(curve))) * scale
+
+        def at(p: int) -> float:
+            return curve[p - 1] if p <= len(curve) else curve[-1] + slope * (p - len(curve))
+
+        lo = max(int(tokens), 1)
+        frac = max(tokens - lo, 0.0)
+        return (at(lo) + frac * (at(lo + 1) - at(lo))) * scale
 
     @classmethod
     def measure(cls, model, batches: list[int], max_tokens: int, context: int = 128, repeats: int = 3,
@@ -115,27 +120,30 @@ class CostCurve:
 class Budget:
     """Per step, the candidate length of each row (see the module docstring).
 
-    A row's drafts are modelled as accepted one after another with probability alpha, so a candidate of length l
-    decides (1 - alpha**l) / (1 - alpha) tokens on average. Alpha is kept per kind of draft, over every row (an
+    A row's drafts are modelled as accepted one after another with probability alpha, so the k-th drafted token
+    of a candidate is accepted with probability alpha**k. Alpha is kept per kind of draft, over every row (an
     exponential moving average over the drafts verified, each weighing `acceptance_decay`): the kind is what a row
-    drafts from this step (`draft.base.drafting_source`: a copy from its context, which the target often accepts for
-    many tokens, or the drafter, which it accepts far less), known before the step is priced because copies are
-    looked up first. The rows of a batch draft from the same sources, and one row's last few drafts are too few to
-    price a step by (an alpha per row let a few rejected drafts send the batch to plain steps, where only rare
-    probes correct it). Without a curve every drafting row gets the full `length`. With one, the length l in
-    1..length (1: a plain step) that maximises the batch's expected tokens per second. Costs are measured in this
-    run, relative to plain steps: `ratio(rows, l)` is what a step of length l cost over the plain step run right
-    before or after it (the median of the last `RATIO_WINDOW` such neighbours: one step slowed by something else,
-    such as the cache growing, must not keep the batch from speculating until the next probes wash it out), and
-    `plain[rows]` what a plain step costs now (every step updates it: a step of length l through its ratio).
+    drafts from this step (`draft.base.drafting_kind`: a copy from its context, by the length of the match it
+    copies after, or the drafter), known before the step is priced because copies are looked up first. The rows of
+    a batch draft from the same sources, and one row's last few drafts are too few to price a step by (an alpha per
+    row let a few rejected drafts send the batch to plain steps, where only rare probes correct it).
+
+    Without a curve every drafting row gets the full `length`. With one, the rows' lengths that maximise the batch's
+    expected tokens per second: drafted tokens are added in order of their chance of acceptance (the rows of one
+    kind together, so a shared drafter drafts them in one call), and the step keeps the prefix of that order with
+    the best rate. A step's cost is priced by the tokens it verifies in all (rows of different lengths run ragged:
+    a row that copies 8 tokens beside three plain rows costs 11 tokens, not 32). Costs are measured in this run,
+    relative to plain steps: `ratio(rows, tokens)` is what a step of that many tokens cost over the plain step run
+    right before or after it (the median of the last `RATIO_WINDOW` such neighbours: one step slowed by something
+    else, such as the cache growing, must not keep the batch from speculating until the next probes wash it out),
+    and `plain[rows]` what a plain step costs now (every step updates it, a speculative one through its ratio).
     Neighbouring steps see the same contexts, so a ratio stays valid as the contexts grow, where an absolute time
-    measured many steps ago would not; drafting, packing and acceptance, which the curve does not hold, are in it. A
-    length without a measured ratio takes the curve's ratio to the nearest measured one. The first step at a batch
-    size is plain (the reference). A step tries the other kind of step (2 drafted tokens while backed off, a plain
-    step otherwise) when there has been none for a while, so the acceptance and the costs stay current: `probe`
-    steps at first, twice as long after each probe (at most `max_probe`), back to `probe` when the choice changes
-    while the rows draft from the same kinds (a change of mind, not of situation). A batch where one kind of step
-    keeps winning spends little on the other; one that alternates with what its rows copy needs no probes.
+    measured many steps ago would not; drafting, packing and acceptance, which the curve does not hold, are in it.
+    A step size without a measured ratio takes the curve's ratio to the nearest measured one. The first step at a
+    batch size is plain (the reference). A step tries the other kind of step (every drafting row at 2 tokens while
+    backed off, a plain step otherwise) when there has been none for a while, so the acceptance and the costs stay
+    current: `probe` steps at first, twice as long after each probe (at most `max_probe`), back to `probe` when the
+    choice changes while the rows draft from the same kinds (a change of mind, not of situation).
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
@@ -149,10 +157,9 @@ class Budget:
         self.caps: list[int] = []  # each row's longest candidate
         self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
-        self.ratios: dict[tuple[int, int], deque[float]] = {}  # (rows, length > 1) -> its last pairs' cost ratios
-        self.previous: tuple[int, int, float] | None = None  # (rows, length, seconds) of the last observed step
+        self.ratios: dict[tuple[int, int], deque[float]] = {}  # (rows, tokens > rows) -> its last pairs' ratios
+        self.previous: tuple[int, int, float] | None = None  # (rows, tokens, seconds) of the last observed step
         self.steps = 0
-        self.last: tuple[int, int] = (0, 1)  # (rows, common length) of the last step
         self.kinds: list[str | None] = []  # each row's kind of draft at the last step
         self.speculating = False  # whether the model chose to draft at the last step
         self.situation: list[str | None] = []  # the kinds of draft it chose for
@@ -176,77 +183,92 @@ class Budget:
         """Alpha of this kind of draft (the prior until a row has drafted so)."""
         return self.alpha.get(kind, self.prior)
 
-    def expected(self, alpha: float, length: int) -> float:
-        """Tokens a candidate of `length` decides on average (the target's own token included)."""
-        return float(length) if alpha >= 1 else (1 - alpha**length) / (1 - alpha)
+    def ratio(self, rows: int, tokens: int) -> float:
+        """A measured step of `tokens` verified tokens over a neighbouring plain step: the median of its last pairs."""
+        return statistics.median(self.ratios[rows, tokens])
 
-    def ratio(self, rows: int, length: int) -> float:
-        """A measured step of `length` over a neighbouring plain step: the median of its last pairs."""
-        return statistics.median(self.ratios[rows, length])
-
-    def cost(self, rows: int, length: int) -> float:
-        """Expected seconds of a step of `rows` rows at a common candidate length (plain steps of this many rows
+    def cost(self, rows: int, tokens: int) -> float:
+        """Expected seconds of a step of `rows` rows verifying `tokens` tokens in all (plain steps of this many rows
         must have been measured)."""
         base = self.plain[rows]
-        if length == 1:
+        if tokens <= rows:
             return base
         measured = [n for r, n in self.ratios if r == rows]
         if not measured:
-            return base * self.curve.cost(rows, length) / self.curve.cost(rows, 1)
-        nearest = min(measured, key=lambda n: (abs(n - length), n))
-        return base * self.ratio(rows, nearest) * self.curve.cost(rows, length) / self.curve.cost(rows, nearest)
+            return base * self.curve.cost(rows, tokens / rows) / self.curve.cost(rows, 1)
+        nearest = min(measured, key=lambda n: (abs(n - tokens), n))
+        return (base * self.ratio(rows, nearest) * self.curve.cost(rows, tokens / rows)
+                / self.curve.cost(rows, nearest / rows))
 
     def lengths(self, kinds: list[str | None], fixed: list[bool] | None = None,
                 offered: list[int | None] | None = None) -> list[int]:
         """The candidate length of each row this step, given what each drafts from (None: nothing; it gets 1) and,
         for a row whose only candidates are copies, the longest one (`offered`, tokens with g0; None otherwise): a
         row at the full length may take a copy of up to `copy_length` (a copy that keeps being accepted grows), a
-        shorter copy prices the row by its own length. `fixed` rows always get their
-        cap: a sampling row whose drafts must not depend on the other rows (its seeded output depends on what it
-        drafts, not only on the target), while greedy rows' output never does."""
+        shorter copy prices the row by its own length. `fixed` rows always get their cap: a sampling row whose
+        drafts must not depend on the other rows (its seeded output depends on what it drafts, not only on the
+        target), while greedy rows' output never does."""
         offered = offered or [None] * len(kinds)
         self.step_caps = [c if o is None else min(o, c if c < self.length else self.copy_length)
                           for c, o in zip(self.caps, offered)]
         self.kinds = list(kinds)
-        best = self._common(kinds)
-        self.last = (len(kinds), best)
-        if best > 1:
+        chosen = self._choose(kinds)
+        if max(chosen, default=1) > 1:
             self.last_speculative = self.steps
         else:
             self.last_plain = self.steps
         fixed = fixed or [False] * len(kinds)
-        return [(c if f else min(best, s)) if k is not None else 1
-                for c, s, k, f in zip(self.caps, self.step_caps, kinds, fixed)]
+        return [(c if f else n) if k is not None else 1 for c, n, k, f in zip(self.caps, chosen, kinds, fixed)]
 
-    def _common(self, kinds: list[str | None]) -> int:
+    def _choose(self, kinds: list[str | None]) -> list[int]:
         self.steps += 1
-        drafting = [(r, k) for r, k in enumerate(kinds) if k is not None]
-        if not drafting:
-            return 1
-        if self.curve is None:
-            return self.length
         rows = len(kinds)
+        plain = [1] * rows
+        if all(k is None for k in kinds):
+            return plain
+        if self.curve is None:
+            return [min(self.length, c) if k is not None else 1 for c, k in zip(self.step_caps, kinds)]
         if rows not in self.plain:
-            return 1  # the reference: plain steps at this batch size, measured first
-        alphas = [(self.acceptance(k), self.step_caps[r]) for r, k in drafting]
-
-        def rate(n: int) -> float:
-            gain = rows - len(alphas) + sum(self.expected(a, min(n, c)) for a, c in alphas)
-            return gain / self.cost(rows, n)
-
-        longest = max(c for _, c in alphas)  # no row drafts more than its cap
-        best = max(range(1, longest + 1), key=rate)
-        if (best > 1) != self.speculating and kinds == self.situation:  # a change of mind: probe soon again
+            return plain  # the reference: plain steps at this batch size, measured first
+        best = self._best(kinds)
+        speculative = max(best) > 1
+        if speculative != self.speculating and kinds == self.situation:  # a change of mind: probe soon again
             self.interval = self.probe
-        self.speculating, self.situation = best > 1, list(kinds)
-        since = self.steps - (self.last_plain if best > 1 else self.last_speculative)
+        self.speculating, self.situation = speculative, list(kinds)
+        since = self.steps - (self.last_plain if speculative else self.last_speculative)
         if since >= self.interval:  # try the other kind now and then, so the measurements stay current
             self.interval = min(2 * self.interval, self.max_probe)
-            return min(2, longest) if best == 1 else 1
+            return plain if speculative else [min(2, c) if k is not None else 1 for c, k in zip(self.step_caps, kinds)]
+        return best
+
+    def _best(self, kinds: list[str | None]) -> list[int]:
+        """Each row's length at the best expected rate (see the class docstring)."""
+        rows = len(kinds)
+        groups: dict[str, list[int]] = {}
+        for r, k in enumerate(kinds):
+            if k is not None and self.step_caps[r] > 1:
+                groups.setdefault(k, []).append(r)
+        adds = []  # (chance of acceptance of each token, the rows that add one more token)
+        for kind, members in groups.items():
+            alpha = self.acceptance(kind)
+            for level in range(1, max(self.step_caps[r] for r in members)):
+                adds.append((alpha**level, [r for r in members if self.step_caps[r] > level]))
+        adds.sort(key=lambda a: -a[0])  # stable: one kind's tokens stay in order
+        lengths, best = [1] * rows, [1] * rows
+        gain = tokens = rows
+        best_rate = rows / self.cost(rows, rows)
+        for chance, members in adds:
+            gain += chance * len(members)
+            tokens += len(members)
+            for r in members:
+                lengths[r] += 1
+            rate = gain / self.cost(rows, tokens)
+            if rate > best_rate:
+                best_rate, best = rate, list(lengths)
         return best
 
     def observe(self, lengths: list[int], accepted: list[int], seconds: float | None = None) -> None:
-        """What the step's rows accepted (drafts) with the lengths they were given, and what the step cost."""
+        """What the step's rows accepted (drafts) with the lengths they verified, and what the step cost."""
         for r, (n, a) in enumerate(zip(lengths, accepted)):
             kind = self.kinds[r]
             if n <= 1 or kind is None:
@@ -256,17 +278,18 @@ class Budget:
             if trials:
                 keep = self.acceptance_decay**trials
                 self.alpha[kind] = keep * self.acceptance(kind) + (1 - keep) * a / trials
-        rows, n = self.last
+        rows = len(lengths)
+        tokens = sum(min(n, c) if k is not None else 1 for n, c, k in zip(lengths, self.step_caps, self.kinds))
         if seconds is None or self.curve is None or not rows or seconds <= 0:
             return
-        before, self.previous = self.previous, (rows, n, seconds)
-        if before is not None and before[0] == rows and (before[1] == 1) != (n == 1):  # a plain / speculative pair
-            length, ratio = (n, seconds / before[2]) if n > 1 else (before[1], before[2] / seconds)
-            self.ratios.setdefault((rows, length), deque(maxlen=RATIO_WINDOW)).append(ratio)
-        if n == 1:
+        before, self.previous = self.previous, (rows, tokens, seconds)
+        if before is not None and before[0] == rows and (before[1] == rows) != (tokens == rows):  # a plain /
+            speculative, plain = (tokens, seconds / before[2]) if tokens > rows else (before[1], before[2] / seconds)
+            self.ratios.setdefault((rows, speculative), deque(maxlen=RATIO_WINDOW)).append(plain)  # speculative pair
+        if tokens == rows:
             self.plain[rows] = self._average(self.plain.get(rows), seconds)
         elif rows in self.plain:
-            self.plain[rows] = self._average(self.plain[rows], seconds * self.plain[rows] / self.cost(rows, n))
+            self.plain[rows] = self._average(self.plain[rows], seconds * self.plain[rows] / self.cost(rows, tokens))
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new

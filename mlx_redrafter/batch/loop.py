@@ -27,7 +27,7 @@ from mlx_redrafter.batch.budget import Budget
 from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.batch.step import Row, ar_step, speculative_step
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.draft.base import Allocator, DecodeState, drafting_source, host_only, host_proposals
+from mlx_redrafter.draft.base import Allocator, DecodeState, drafting_kind, host_only, host_proposals
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Emitter, Record
 from mlx_redrafter.model import Model
@@ -122,7 +122,7 @@ class Batch:
         seqs = self.seqs
         plans = [s.allocator.plan() if s.allocator is not None else [] for s in seqs]
         host = host_proposals(plans, [s.state for s in seqs], self.budget.caps)  # copies first: they price the step
-        lengths = self.budget.lengths([drafting_source(p, h) for p, h in zip(plans, host)],
+        lengths = self.budget.lengths([drafting_kind(p, h) for p, h in zip(plans, host)],
                                       [not s.sampling.greedy for s in seqs],
                                       [max(c.shape[1] for c in h.values()) if host_only(p, h) else None
                                        for p, h in zip(plans, host)])

@@ -149,13 +149,14 @@ def host_proposals(plans: list[list[Slot]], states: list[DecodeState], lengths: 
     return got
 
 
-def drafting_source(plan: list[Slot], host: dict[int, mx.array]) -> str | None:
-    """What a row drafts from this step, given what its host sources proposed (`host_proposals`): the first of
-    those that proposed (e.g. a copy from the context), else the first shared source that will draft (the
-    drafter), else None (the row verifies g0 alone). Acceptance differs by far between these, so a batched step
-    prices each row by it."""
+def drafting_kind(plan: list[Slot], host: dict[int, mx.array]) -> str | None:
+    """What kind of draft a row makes this step, given what its host sources proposed (`host_proposals`): that of
+    the first of those that proposed (e.g. a copy from the context, by the length of the match: a source's `kind`,
+    else its name), else the first shared source that will draft (the drafter), else None (the row verifies g0
+    alone). Acceptance differs by far between these, so a batched step prices each row by it."""
     if host:
-        return plan[min(host)].source.name
+        source = plan[min(host)].source
+        return getattr(source, "kind", source.name)
     return next((s.source.name for s in plan if s.width > 0 and not _in_host_pass(plan, s)), None)
 
 

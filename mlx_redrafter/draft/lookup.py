@@ -39,6 +39,7 @@ class NgramIndex:
         self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.matched = 0  # tokens of the match the last `candidates` copied after (0: none)
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
@@ -54,6 +55,7 @@ class NgramIndex:
         toks, last = self.tokens, len(self.tokens) - 1
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
+        self.matched = 0
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
             for end in reversed(self.ends.get(tuple(toks[last - n + 1 :]), ())):
                 if end >= last:
@@ -62,6 +64,7 @@ class NgramIndex:
                 if cont and cont not in seen:
                     seen.add(cont)
                     out.append(list(cont))
+                    self.matched = self.matched or n
                     if len(out) == width:
                         return out
         return out
@@ -78,6 +81,7 @@ class SuffixIndex:
         self.next: list[dict[int, int]] = [{}]
         self.first_end = [-1]
         self.last = 0
+        self.matched = 0  # tokens of the match the last `candidates` copied after (0: none)
 
     def _new(self, length: int, link: int, nxt: dict[int, int], first_end: int) -> int:
         self.length.append(length)
@@ -114,12 +118,14 @@ class SuffixIndex:
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         v = self.link[self.last]
+        self.matched = 0
         while v > 0 and self.length[v] >= self.min_len and len(out) < width:
             end = self.first_end[v]
             cont = tuple(self.tokens[end + 1 : end + 1 + max_len])
             if cont and cont not in seen:
                 seen.add(cont)
                 out.append(list(cont))
+                self.matched = self.matched or self.length[v]
             v = self.link[v]
         return out
 
@@ -240,6 +246,7 @@ class LookupSource:
 
     optional = True  # may sit out (Allocator) when it keeps finding nothing worth verifying
     pads = False  # one copy is never padded
+    KIND_MATCH = 4  # matches of at least this many tokens are one kind of draft (`kind`)
 
     def __init__(self, index_factory: Callable[[], object], name: str = "lookup", max_length: int = 0):
         self.factory, self.name, self.max_length = index_factory, name, max_length
@@ -261,6 +268,13 @@ class LookupSource:
 
     def candidate_length(self, length: int) -> int:
         return max(length, self.max_length)
+
+    @property
+    def kind(self) -> str:
+        """The kind of draft of the last proposal, for pricing a step by its acceptance: the source's name and
+        the length of the match it copied after (a copy after a longer match is accepted far more often)."""
+        matched = getattr(self.index, "matched", 0)
+        return f"{self.name}{min(matched, self.KIND_MATCH)}" if matched else self.name
 
     def propose(self, state: DecodeState, length: int, width: int) -> mx.array | None:
         self.asked = min(max(length - 1, self.grown), self.candidate_length(length) - 1)
