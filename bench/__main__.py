@@ -12,7 +12,6 @@ from mlx_redrafter.defaults import (
     BENCH_GRID,
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_DRAFTER_VOCAB,
-    DEFAULT_LOOKUP_INDEX,
     DEFAULT_LOOKUP_MAX_LENGTH,
     QUICK_GRID,
 )
@@ -80,8 +79,8 @@ def sweep(
                                               "head is frequency-ordered and larger, else all]."),
     lookup_max_lengths: str = typer.Option(str(DEFAULT_LOOKUP_MAX_LENGTH), help="Longest lookup copies of the lookup "
                                            "modes, comma-separated (e.g. 0,9: fixed-length copies vs growing)."),
-    lookup_indexes: str = typer.Option(DEFAULT_LOOKUP_INDEX, help="Context indexes of the lookup modes (as "
-                                       "--lookup of redrafter-mlx), comma-separated (e.g. ngram,ngram2)."),
+    lookup_indexes: str = typer.Option("", help="Context indexes of the lookup modes (as --lookup of "
+                                       "redrafter-mlx), comma-separated (e.g. ngram,ngram2) [each mode's own]."),
     drafts: str | None = typer.Option(None, help="Draft modes: comma list of rnn, lookup, rnn+lookup, lookup-else-rnn, "
                                                  "medusa, semi_ar (default: lookup and the drafter's own modes)."),
     dtypes: str = typer.Option("auto", help="Comma-separated dtypes. " + c.DTYPE_HELP),
@@ -113,7 +112,7 @@ def sweep(
         answers_widths=c.int_list(answers_widths, "--answers-widths"),
         drafter_vocabs=c.int_list(drafter_vocabs, "--drafter-vocabs") if drafter_vocabs else [None],
         lookup_max_lengths=c.int_list(lookup_max_lengths, "--lookup-max-lengths"),
-        lookup_indexes=[x.strip() for x in lookup_indexes.split(",") if x.strip()],
+        lookup_indexes=[x.strip() for x in lookup_indexes.split(",") if x.strip()] or [None],
         max_tokens=grid["max_tokens"] if max_tokens is None else max_tokens,
         num_prompts=grid["num_prompts"] if num_prompts is None else num_prompts, prompts_file=prompts_file,
         repeats=grid["repeats"] if repeats is None else repeats, mlx_lm=mlx_lm, profile=profile)

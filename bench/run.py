@@ -12,7 +12,6 @@ from typing import Any
 from mlx_redrafter.defaults import (
     BENCH_GRID,
     DEFAULT_ANSWERS_WIDTH,
-    DEFAULT_LOOKUP_INDEX,
     DEFAULT_LOOKUP_MAX_LENGTH,
     WARMUP_TOKENS,
 )
@@ -37,7 +36,7 @@ class BenchSpec:
     answers_widths: list[int] = field(default_factory=lambda: [DEFAULT_ANSWERS_WIDTH])  # per lookup cell
     drafter_vocabs: list[int | None] = field(default_factory=lambda: [None])  # per rnn cell; None: the default
     lookup_max_lengths: list[int] = field(default_factory=lambda: [DEFAULT_LOOKUP_MAX_LENGTH])  # per lookup cell
-    lookup_indexes: list[str] = field(default_factory=lambda: [DEFAULT_LOOKUP_INDEX])  # per lookup cell
+    lookup_indexes: list[str | None] = field(default_factory=lambda: [None])  # per lookup cell; None: the mode's
     max_tokens: int = BENCH_GRID["max_tokens"]
     num_prompts: int = BENCH_GRID["num_prompts"]
     prompts_file: Path | None = None
@@ -65,9 +64,9 @@ class BenchSpec:
             raise UserError("--dtypes is empty")
         from mlx_redrafter.draft.lookup import INDEXES
 
-        bad = [x for x in self.lookup_indexes if x not in INDEXES]
+        bad = [x for x in self.lookup_indexes if x is not None and x not in INDEXES]
         if bad or not self.lookup_indexes:
-            got = ",".join(self.lookup_indexes) or "nothing"
+            got = ",".join(str(x) for x in self.lookup_indexes) or "nothing"
             raise UserError(f"--lookup-indexes takes {', '.join(INDEXES)} (got {got})")
 
 

@@ -19,7 +19,6 @@ from mlx_redrafter.defaults import (
     DEFAULT_BEAM_LENGTH,
     DEFAULT_BEAM_WIDTH,
     DEFAULT_DRAFT_CONFIDENCE,
-    DEFAULT_LOOKUP_INDEX,
     DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
 )
@@ -53,17 +52,18 @@ class Shape:
 
 @dataclass(frozen=True, kw_only=True)
 class LookupOptions:
-    """Drafting by copying: `width` candidates from the context by the `index` (draft.lookup.INDEXES), a copy that
+    """Drafting by copying: `width` candidates from the context by the `index` (draft.lookup.INDEXES; None: the
+    one the draft mode names, `draft.modes.Mode.lookup_index`), a copy that
     keeps being accepted growing up to `max_length` tokens, and `answers_width` candidates from the model's
     answer table in steps where the context has nothing to copy (0 = off)."""
 
     width: int = DEFAULT_LOOKUP_WIDTH
-    index: str = DEFAULT_LOOKUP_INDEX
+    index: str | None = None
     max_length: int = DEFAULT_LOOKUP_MAX_LENGTH
     answers_width: int = DEFAULT_ANSWERS_WIDTH
 
     def check(self) -> None:
-        if self.index not in INDEXES:
+        if self.index is not None and self.index not in INDEXES:
             raise UserError(f"--lookup must be one of {', '.join(INDEXES)} (got {self.index!r})")
         _check_int(self.width, "--lookup-width", 1, MAX_CANDIDATES)
         _check_int(self.max_length, "--lookup-max-length", 0, MAX_CANDIDATE_LENGTH,

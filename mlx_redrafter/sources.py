@@ -87,11 +87,17 @@ UNUSED = {"beam_width": 0, "drafter_vocab": 0, "draft_confidence": 0, "lookup_wi
           "lookup_max_length": 0, "answers_width": 0}
 
 
+def for_mode(mode: Mode, options: DecodeOptions) -> DecodeOptions:
+    """The options with what the mode chooses where they leave it open (the context index of lookup)."""
+    return options if options.lookup.index is not None else options.updated(lookup=mode.lookup_index)
+
+
 def make_allocator(mode: Mode, target: Target, drafter: AnyDrafter | None, options: DecodeOptions,
                    kinds: dict[str, SourceKind] = SOURCE_KINDS) -> Allocator | None:
     """The draft sources of a mode (None: plain autoregressive decoding)."""
     if not mode.drafts:
         return None
+    options = for_mode(mode, options)
     slots = []
     for kind, backs_up in mode.sources:
         slot = kinds[kind].build(target, drafter, options)
@@ -104,6 +110,7 @@ def make_allocator(mode: Mode, target: Target, drafter: AnyDrafter | None, optio
 def source_settings(mode: Mode, target: Target, drafter: AnyDrafter | None, options: DecodeOptions,
                     kinds: dict[str, SourceKind] = SOURCE_KINDS) -> dict[str, Any]:
     """What each source of the mode ran with (zeros for sources the mode does not use)."""
+    options = for_mode(mode, options)
     out = dict(UNUSED)
     for kind, _ in mode.sources:
         out.update(kinds[kind].settings(target, drafter, options))

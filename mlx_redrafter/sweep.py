@@ -23,7 +23,6 @@ from mlx_redrafter.api import DecodeOptions, LoadedModel, encode_prompt, setting
 from mlx_redrafter.api import decode as api_decode
 from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
-    DEFAULT_LOOKUP_INDEX,
     DEFAULT_LOOKUP_MAX_LENGTH,
     DEFAULT_LOOKUP_WIDTH,
     TUNE_MIN_SPEEDUP,
@@ -73,12 +72,12 @@ def grid_configs(drafts: list[str | Mode], widths: list[int], lengths: list[int]
                  answers_widths: tuple[int, ...] = (DEFAULT_ANSWERS_WIDTH,),
                  drafter_vocabs: tuple[int | None, ...] = (None,),
                  lookup_max_lengths: tuple[int, ...] = (DEFAULT_LOOKUP_MAX_LENGTH,),
-                 lookup_indexes: tuple[str, ...] = (DEFAULT_LOOKUP_INDEX,)) -> list[Config]:
+                 lookup_indexes: tuple[str | None, ...] = (None,)) -> list[Config]:
     """AR plus every draft mode x width x length. The width sets the option its mode's row names (`Mode.width`):
     W of a drafter, the lookup width (the drafter's modes keep `lookup_width`), or the nodes of Medusa's tree
     (the first W of mc_sim_7b_63). Modes with lookup run once per answer-table width (names get '-aK' where K
     is not the default), per longest lookup copy ('-mN' where N is not the default) and per context index
-    ('-iNAME' where not the default), modes with the
+    ('-iNAME' where not the mode's own, `Mode.lookup_index`; None: the mode's own), modes with the
     ReDrafter once per drafter vocabulary (None: the default; else names get '-vN')."""
     base = DecodeOptions(draft="none", max_tokens=max_tokens, sampling=sampling)
     configs = [Config(config_name("none", sampling=sampling), base)]
@@ -90,7 +89,7 @@ def grid_configs(drafts: list[str | Mode], widths: list[int], lengths: list[int]
                 for a, m, v, ix in product(answers_widths if copies else (DEFAULT_ANSWERS_WIDTH,),
                                            lookup_max_lengths if copies else (DEFAULT_LOOKUP_MAX_LENGTH,),
                                            drafter_vocabs if mode.uses("rnn") else (None,),
-                                           lookup_indexes if copies else (DEFAULT_LOOKUP_INDEX,)):
+                                           lookup_indexes if copies else (None,)):
                     width = {"beam_width": {"beam_width": w, "lookup_width": lookup_width},
                              "lookup_width": {"lookup_width": w}, "medusa_tree": {"medusa_tree": f"mc_sim_7b_63:{w}"},
                              }[mode.width]
@@ -99,7 +98,7 @@ def grid_configs(drafts: list[str | Mode], widths: list[int], lengths: list[int]
                     opts.check()
                     suffix = (f"-a{a}" if a != DEFAULT_ANSWERS_WIDTH else "") + (
                         f"-m{m}" if m != DEFAULT_LOOKUP_MAX_LENGTH else "") + (f"-v{v}" if v is not None else "") + (
-                        f"-i{ix}" if ix != DEFAULT_LOOKUP_INDEX else "")
+                        f"-i{ix}" if ix not in (None, mode.lookup_index) else "")
                     configs.append(Config(config_name(draft, w, length, sampling) + suffix, opts))
     return configs
 

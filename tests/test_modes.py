@@ -108,12 +108,23 @@ def test_sweep_configs_take_a_mode_of_the_tests_own_table():
 
 
 def test_sweep_configs_vary_the_lookup_index_of_the_lookup_modes_only():
-    from mlx_redrafter.defaults import DEFAULT_LOOKUP_INDEX
+    """Cells are named by the index only where it is not the mode's own (None: the mode's own)."""
     from mlx_redrafter.sweep import grid_configs
 
-    other = next(i for i in ("ngram", "ngram2") if i != DEFAULT_LOOKUP_INDEX)
-    configs = grid_configs(["lookup-else-rnn", "rnn"], [1], [3], max_tokens=4,
-                           lookup_indexes=(DEFAULT_LOOKUP_INDEX, other))
+    own = MODES["lookup-else-rnn"].lookup_index
+    other = next(i for i in ("ngram", "ngram2") if i != own)
+    configs = grid_configs(["lookup-else-rnn", "rnn"], [1], [3], max_tokens=4, lookup_indexes=(None, other))
     names = {c.name: c.options.lookup.index for c in configs if c.options.draft != "none"}
-    assert names == {"lookup-else-rnn-w1-l3": DEFAULT_LOOKUP_INDEX, f"lookup-else-rnn-w1-l3-i{other}": other,
-                     "rnn-w1-l3": DEFAULT_LOOKUP_INDEX}
+    assert names == {"lookup-else-rnn-w1-l3": None, f"lookup-else-rnn-w1-l3-i{other}": other, "rnn-w1-l3": None}
+
+
+def test_a_mode_copies_by_its_own_lookup_index_unless_one_is_named():
+    """lookup-else-rnn copies only after a match of two tokens (its drafter beats a copy after one), lookup alone
+    after one; --lookup names the index for every mode, and the settings say which ran."""
+    from mlx_redrafter.options import decode_options
+    from mlx_redrafter.sources import for_mode
+
+    assert MODES["lookup-else-rnn"].lookup_index == "ngram2" and MODES["lookup"].lookup_index == "ngram"
+    for mode in ("lookup-else-rnn", "lookup", "rnn+lookup"):
+        assert for_mode(MODES[mode], decode_options()).lookup.index == MODES[mode].lookup_index
+        assert for_mode(MODES[mode], decode_options(lookup="suffix")).lookup.index == "suffix"

@@ -105,7 +105,7 @@ DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
         f"Candidates copied from the context \\[tuned, else {DEFAULT_LOOKUP_WIDTH}]."))),
     "lookup": (str | None, typer.Option(None, "--lookup", help=(
         "Lookup index: ngram (prompt lookup, n = 4..1), ngram2 (n = 4..2), suffix (suffix automaton), suffix2 "
-        "(matches of >= 2 tokens) \\[ngram]."))),
+        "(matches of >= 2 tokens) \\[the draft mode's: ngram2 for lookup-else-rnn, else ngram]."))),
     "lookup_max_length": (int | None, typer.Option(None, "--lookup-max-length", help=(
         "With lookup: a copy that keeps being accepted doubles, up to this many tokens incl. the first "
         f"(<= --beam-length: no growth) \\[{DEFAULT_LOOKUP_MAX_LENGTH}]."))),

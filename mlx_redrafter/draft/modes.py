@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_redrafter.defaults import DEFAULT_LOOKUP_INDEX
 from mlx_redrafter.errors import UserError
 
 AUTO = "auto"
@@ -31,6 +32,7 @@ class Mode:
     auto_for: tuple[str, ...] = ()  # drafter kinds ("none": no drafter) for which `auto` is this mode
     width: str = "beam_width"  # the option a sweep's width sets: beam_width, lookup_width or medusa_tree (nodes)
     swept: bool = False  # measured by a sweep unless its modes are named (where its drafter kind is loaded)
+    lookup_index: str = DEFAULT_LOOKUP_INDEX  # the context index it copies by unless --lookup names one
     help: str = ""
 
     def uses(self, kind: str) -> bool:
@@ -50,7 +52,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("rnn+lookup", (("rnn", None), ("lookup", None), ("answers", "lookup")), drafter="rnn", swept=True,
          help="both every step"),
     Mode("lookup-else-rnn", (("lookup", None), ("answers", "lookup"), ("rnn", "lookup")), drafter="rnn",
-         auto_for=("rnn",), swept=True, help="the drafter only in steps where lookup finds nothing to copy"),
+         auto_for=("rnn",), swept=True, lookup_index="ngram2",
+         help="the drafter only in steps where lookup finds a match of two tokens or more to copy after"),
     Mode("medusa", (("medusa", None),), drafter="medusa", auto_for=("medusa",), width="medusa_tree",
          swept=True, help="a Medusa drafter's static tree"),
     Mode("semi_ar", (("semi_ar", None),), drafter="semi_ar", auto_for=("semi_ar",), swept=True,
