@@ -283,9 +283,10 @@ class Budget:
         if seconds is None or self.curve is None or not rows or seconds <= 0:
             return
         before, self.previous = self.previous, (rows, tokens, seconds)
-        if before is not None and before[0] == rows and (before[1] == rows) != (tokens == rows):  # a plain /
-            speculative, plain = (tokens, seconds / before[2]) if tokens > rows else (before[1], before[2] / seconds)
-            self.ratios.setdefault((rows, speculative), deque(maxlen=RATIO_WINDOW)).append(plain)  # speculative pair
+        if before is not None and before[0] == rows and (before[1] == rows) != (tokens == rows):
+            # a plain step beside a speculative one: the ratio of their costs, by the speculative step's size
+            size, ratio = (tokens, seconds / before[2]) if tokens > rows else (before[1], before[2] / seconds)
+            self.ratios.setdefault((rows, size), deque(maxlen=RATIO_WINDOW)).append(ratio)
         if tokens == rows:
             self.plain[rows] = self._average(self.plain.get(rows), seconds)
         elif rows in self.plain:
