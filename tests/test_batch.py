@@ -215,7 +215,7 @@ def test_a_removed_row_takes_a_cache_that_continues_exactly(target, prompts):
 
 
 def budget_choices(curve, accepted, seconds, rows=4, steps=200, kind=lambda step: "rnn"):
-    """The common length a budget (length 4, probes after 4 steps, at most 32 apart) picks at each of `steps`
+    """The longest length a budget (length 4, probes after 4 steps, at most 32 apart) picks at each of `steps`
     steps of `rows` drafting rows, when every row drafts from `kind(step)`, accepts `accepted(n, kind)` drafts at
     length n and the step takes `seconds(n, step)`."""
     budget = Budget(4, curve, probe=4, max_probe=32)
