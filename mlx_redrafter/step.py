@@ -70,7 +70,8 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     proposal = propose(plan, state, length)  # draft
     cands = proposal.candidates
     clock.lap("draft", cands)
-    if proposal.chain:  # one candidate: drafting runs while the verify graph is built
+    if proposal.chain:  # one candidate: drafting starts now (on a GPU it runs while the verify graph is built;
+        # MLX's CPU backend keeps ~10 operations in flight, so there only its last few do)
         mx.async_eval(cands)
     tree = proposal.pack()  # pack (syncs once to learn the packed size, unless one candidate: a chain)
     clock.lap("pack", tree.mask, tree.parent, unprofiled="draft")
