@@ -132,7 +132,7 @@ def test_weights_float16_does_not_hold_get_no_copy(kernel):
 
 @pytest.mark.parametrize("isa", ["best", "avx2", "base"])
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 128)])
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 20, 33])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 24, 32, 33])
 def test_quantized_products_are_the_float32_products_of_the_dequantized_weights(kernel, isa, bits, group, M):
     rng = np.random.default_rng(bits * 100 + group + M)
     w = mx.array(rng.standard_normal((70, 256), dtype=np.float32) * 0.1).astype(mx.float16)
@@ -164,10 +164,10 @@ def test_the_embedded_target_keeps_its_quantized_weights_beside_the_float32_ones
 
 
 @pytest.mark.parametrize("rows,tokens", [(1, 1), (1, 4), (1, 8), (1, 9), (1, 40), (2, 3), (4, 2), (8, 1), (8, 3),
-                                         (4, 8), (3, 11)])
+                                         (4, 8), (3, 11), (5, 5)])
 def test_forwards_from_packed_weights_have_the_bits_of_the_float32_forwards(packed_target, chat_ids, rows, tokens):
     """Logits and hidden states of steps of every size, after a prefill, equal bit for bit with the kernel and
-    without it (prefills and steps of more than `MAX_ROWS` rows read the float32 weights either way)."""
+    without it (prefills and steps of more than `max_rows` rows read the float32 weights either way)."""
     model = packed_target.model
     prompts = [chat_ids[r % len(chat_ids)][:30] for r in range(rows)]
     outs = []
