@@ -2,6 +2,7 @@
 features carry the target's own labels, and its answers land as plan shards that say where they were made."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -248,3 +249,34 @@ def test_a_fused_drafter_grown_again_keeps_its_fusion_and_a_run_reads_its_layers
     save_file({k: t.contiguous() for k, t in w.items()}, str(tmp_path / "fused.safetensors"),
               metadata={"config": json.dumps(cfg)})
     assert start_config(tmp_path / "nowhere", tmp_path / "fused.safetensors")["feature_layers"] == list(taps)
+
+
+def test_a_packed_corpus_unpacks_into_the_sequences_it_holds(tmp_path, capsys):
+    """The corpus travels to the CUDA machine as one xz pack beside the job (`prepare`), and `run` rebuilds from it
+    the sequences and turn-1 conversations the checkout's shards hold."""
+    import shutil
+
+    from bench.torch_ref.cuda_job import corpus_sequences, pack_corpus, turn1_sequences, unpack_corpus
+
+    committed = Path(__file__).resolve().parents[1] / "data" / "corpus" / "smollm2-135m"
+    entries = json.loads((committed / "manifest.json").read_text())["shards"]
+    names = ["shard-00000.npz", "shard-00001.npz", "shard-00002.npz"]  # held out, turn 1, turn 1
+    names.append(next(n for n, e in sorted(entries.items()) if e.get("turn") == 2))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for n in names:
+        shutil.copy(committed / n, corpus / n)
+    (corpus / "manifest.json").write_text(json.dumps({"shards": {n: entries[n] for n in names}}))
+    pack = pack_corpus(corpus, tmp_path / "job" / "corpus")
+    assert pack["parts"] == 1 and pack["shards"] == 4 and (tmp_path / "job" / "corpus.xz.0").is_file()
+    back = unpack_corpus(pack, [None, tmp_path / "job"], tmp_path / "unpacked")
+    want, got = corpus_sequences(corpus), corpus_sequences(back)
+    assert {k: len(v) for k, v in got.items()} == {k: len(v) for k, v in want.items()} and want["heldout"]
+    for k in want:
+        assert all(np.array_equal(a, b) and p == q for (a, p), (b, q) in zip(want[k], got[k]))
+    assert turn1_sequences(back, [1, 2], [2]) == turn1_sequences(corpus, [1, 2], [2])
+    assert pack_corpus(tmp_path / "nothing", tmp_path / "job" / "empty")["parts"] == 0
+    (tmp_path / "job" / "corpus.xz.0").unlink()
+    with pytest.raises(SystemExit) as e:
+        unpack_corpus(pack, [tmp_path / "job"], tmp_path / "again")
+    assert e.value.code == 2 and "corpus.xz" in capsys.readouterr().err

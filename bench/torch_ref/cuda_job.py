@@ -4,7 +4,8 @@ Three steps; only `run` needs a GPU, and it imports neither MLX nor `mlx_redraft
 numpy and safetensors only):
 
     python -m bench.torch_ref.cuda_job prepare --job .gpu        here: prompts still missing from the greedy corpus,
-                                                                  the turn-2 recipe, parity prompts, the GGUF in parts
+                                                                  the turn-2 recipe, parity prompts, the GGUF in parts,
+                                                                  the corpora packed (xz)
     python3 -m bench.torch_ref.cuda_job run --job .gpu --out DIR --budget-s 450      there (CUDA)
     python -m bench.torch_ref.cuda_job land DIR                  here: shards through the corpus' own code (manifest
                                                                   entries say which engine made them), drafters as
@@ -13,12 +14,12 @@ numpy and safetensors only):
 `run` does, within its time budget: (1) CUDA parity: greedy ids and top-5 logits of the MT-bench prompts, for
 comparison with MLX here; (2) the target's greedy answers (float32, TF32 off) to every missing turn-1 prompt of the
 plan, then to its turn-2 prompts (each a turn-1 sequence + a follow-up, rebuilt there from the corpus' turn-1
-shards), on a continuous batch over a slot KV cache (`slots.py`); (3) unless `--generate-only`, one teacher-forced
-pass over every train and held-out sequence (hidden states at draft starts + the target's top-8 labels at every
-context position, as `train/features.py` does; float32 unless `--feature-tf32`), and over the fixed-text corpus
-where a variant asks for it; (4) warm-started drafters trained side by side until the budget ends, one per variant
-of `VARIANTS` (labels, data, shape), with held-out top-1 accuracy per draft step before and after (the same measure
-as `train/loop.py`'s `evaluate`).
+shards, which travel packed beside the job: `pack_corpus`), on a continuous batch over a slot KV cache (`slots.py`);
+(3) unless `--generate-only`, one teacher-forced pass over every train and held-out sequence (hidden states at draft
+starts + the target's top-8 labels at every context position, as `train/features.py` does; float32 unless
+`--feature-tf32`), and over the fixed-text corpus where a variant asks for it; (4) warm-started drafters trained
+side by side until the budget ends, one per variant of `VARIANTS` (labels, data, shape), with held-out top-1
+accuracy per draft step before and after (the same measure as `train/loop.py`'s `evaluate`).
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ VARIANTS = {
 
 # ----------------------------------------------------------------------------------------------------------- here
 def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int = 16, from_end: bool = False,
-            max_shards: int | None = None, text_corpus: Path | None = None, write_gguf: bool = True) -> None:
-    """Write the job spec (`job.json`, `job.npz`) and the target's GGUF (xz, in parts) into `job_dir`; `from_end`:
-    the plan's last shards first (the CPU's data job works from the front, so the two do not make the same shard);
-    `max_shards`: at most that many shards in the job (a smaller job.npz)."""
+            max_shards: int | None = None, text_corpus: Path | None = None, write_gguf: bool = True,
+            pack_corpora: bool = True) -> None:
+    """Write the job spec (`job.json`, `job.npz`), the target's GGUF (xz, in parts) and, with `pack_corpora`, the
+    corpora (`pack_corpus`) into `job_dir`; `from_end`: the plan's last shards first (the CPU's data job works from
+    the front, so the two do not make the same shard); `max_shards`: at most that many shards in the job (a smaller
+    job.npz)."""
     from mlx_redrafter.errors import UserError
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
@@ -143,15 +146,95 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
         parts = len(list(job_dir.glob("gguf.xz.*")))
     import hashlib
 
+    packs = {}
+    if pack_corpora:
+        for key, folder in (("corpus", corpus_dir), ("text_corpus", text_corpus)):
+            if folder is not None:
+                packs[f"{key}_pack"] = pack_corpus(Path(folder), job_dir / key.replace("_", "-"))
     spec = {"gguf_name": gguf.name, "gguf_sha256": hashlib.sha256(data).hexdigest(), "eos_ids": tok.eos_ids,
             "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
             "corpus": str(corpus_dir), "jobs": [j.name for j in todo], "turn1_prompts": len(t1_row),
             "turn2_rows": len(t2_row), "parity_prompts": len(parity),
             "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m",
-            "text_corpus": str(text_corpus) if text_corpus else None, "gguf_parts": parts}
+            "text_corpus": str(text_corpus) if text_corpus else None, "gguf_parts": parts, **packs}
     (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
+    sizes = "".join(f"; {k[:-5].replace('_', ' ')}: {v['shards']} shards (xz) in {v['parts']} part(s)"
+                    for k, v in packs.items())
     print(f"{job_dir}: {len(todo)} shards to make: {len(t1_row)} turn-1 prompts, {len(t2_row)} turn-2 rows; GGUF "
-          f"(xz) in {parts} parts")
+          f"(xz) in {parts} parts{sizes}")
+
+
+CORPUS_ARRAYS = ("prompt_len", "prompt_index", "turn")  # per sequence, besides its tokens
+
+
+def pack_corpus(corpus_dir: Path, stem: Path) -> dict[str, Any]:
+    """Every shard of a corpus (its manifest's) as one xz stream in parts `<stem>.xz.0`, `.1`, ... of at most
+    `GGUF_PART_BYTES`: the token ids and per-sequence arrays run raw, shard after shard, and xz's 64 MiB window
+    finds what they repeat (a turn-2 sequence holds its turn-1 conversation, asked again with each follow-up): the
+    corpus of 2026-11-28, 38 MB of shards in git, packs into ~8 MB. `run` rebuilds the shards there
+    (`unpack_corpus`), so that a transport too small for the checkout's corpus carries this instead. Returns the
+    pack's entry of the job spec (parts, shards, sequences, bytes); no parts for a corpus without shards."""
+    import io
+    import lzma
+
+    for old in stem.parent.glob(f"{stem.name}.xz.*"):
+        old.unlink()
+    manifest = corpus_dir / "manifest.json"
+    names = sorted(json.loads(manifest.read_text())["shards"]) if manifest.is_file() else []
+    names = [n for n in names if (corpus_dir / n).is_file()]
+    if not names:
+        return {"parts": 0, "shards": 0, "sequences": 0, "bytes": 0}
+    splits, counts, tokens, lengths = [], [], [], []
+    per_seq: dict[str, list[np.ndarray]] = {k: [] for k in CORPUS_ARRAYS}
+    entries = json.loads(manifest.read_text())["shards"]
+    for name in names:
+        with np.load(corpus_dir / name) as z:
+            off = z["offsets"]
+            tokens.append(z["tokens"])
+            lengths.append(np.diff(off).astype(np.int64))
+            for k in CORPUS_ARRAYS:
+                per_seq[k].append(z[k])
+        splits.append(entries[name]["split"])
+        counts.append(len(lengths[-1]))
+    buf = io.BytesIO()
+    np.savez(buf, names=np.array(names), splits=np.array(splits), counts=np.array(counts, np.int64),
+             tokens=np.concatenate(tokens).astype(np.result_type(*tokens)), lengths=np.concatenate(lengths),
+             **{k: np.concatenate(v) for k, v in per_seq.items()})
+    packed = lzma.compress(buf.getvalue(), preset=9)
+    parts = -(-len(packed) // GGUF_PART_BYTES)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for k in range(parts):
+        Path(f"{stem}.xz.{k}").write_bytes(packed[k * GGUF_PART_BYTES:(k + 1) * GGUF_PART_BYTES])
+    return {"parts": parts, "shards": len(names), "sequences": int(sum(counts)), "bytes": len(packed),
+            "stem": stem.name}
+
+
+def unpack_corpus(pack: dict[str, Any], dirs: list[Path], dest: Path) -> Path:
+    """The shards of a `pack_corpus` pack, whose parts are in one of `dirs`, rebuilt in `dest` (uncompressed, with
+    a manifest giving each shard's split: what `corpus_sequences` and `turn1_sequences` read). Returns `dest`."""
+    import io
+    import lzma
+
+    where = next((d for d in dirs if d is not None and (d / f"{pack['stem']}.xz.0").is_file()), None)
+    parts = [where / f"{pack['stem']}.xz.{k}" for k in range(pack["parts"])] if where else []
+    if not parts or not all(p.is_file() for p in parts):
+        _fail(f"corpus pack {pack['stem']}.xz.0-{pack['parts'] - 1} not found in "
+              f"{', '.join(str(d) for d in dirs if d is not None)}: copy every {pack['stem']}.xz.* of the job there")
+    with np.load(io.BytesIO(lzma.decompress(b"".join(p.read_bytes() for p in parts)))) as z:
+        data = {k: z[k] for k in z.files}
+    dest.mkdir(parents=True, exist_ok=True)
+    seq_end = np.cumsum(data["counts"])
+    tok_end = np.cumsum(data["lengths"])
+    shards, s0 = {}, 0
+    for name, split, s1 in zip(data["names"].tolist(), data["splits"].tolist(), seq_end.tolist()):
+        t0, t1 = (int(tok_end[s0 - 1]) if s0 else 0), int(tok_end[s1 - 1]) if s1 else 0
+        lengths = data["lengths"][s0:s1]
+        np.savez(dest / name, tokens=data["tokens"][t0:t1], offsets=np.concatenate([[0], np.cumsum(lengths)]),
+                 split=np.array(split), **{k: data[k][s0:s1] for k in CORPUS_ARRAYS})
+        shards[name] = {"split": split}
+        s0 = s1
+    (dest / "manifest.json").write_text(json.dumps({"shards": shards}) + "\n")
+    return dest
 
 
 def _bundle_gguf_reader(dest: Path) -> None:
@@ -772,6 +855,11 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     spec = json.loads((job_dir / "job.json").read_text())
     job = dict(np.load(job_dir / "job.npz"))
     out.mkdir(parents=True, exist_ok=True)
+    for key in ("corpus", "text_corpus"):  # the packed corpora, where the job has them: the checkout's may be absent
+        pack = spec.get(f"{key}_pack")
+        if spec.get(key) and pack and pack["parts"]:
+            spec[key] = str(unpack_corpus(pack, [gguf_dir, job_dir], job_dir / "unpacked" / key))
+            _log(f"{key.replace('_', ' ')}: {pack['shards']} shards unpacked into {spec[key]}", t0)
     report: dict[str, Any] = {"engine": ENGINE, "generation_engine": GEN_ENGINE, "torch": torch.__version__,
                               "device": device,
                               "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
@@ -1021,7 +1109,8 @@ def _main() -> None:
                    help="drafters trained side by side, comma-separated: " + ", ".join(VARIANTS))
     r.add_argument("--init", type=Path, default=None, help="start from these drafter weights (same shape)")
     r.add_argument("--no-parity", action="store_true")
-    r.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUF parts are (default: the job folder)")
+    r.add_argument("--gguf-dir", type=Path, default=None,
+                   help="where the GGUF and corpus parts are (default: the job folder)")
     r.add_argument("--generate-only", action="store_true", help="no features and no training after generation")
     r.add_argument("--max-positions", type=int, default=None,
                    help="train on a random subset of the corpus with at most this many context positions")
