@@ -21,12 +21,12 @@ import sys
 
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 3  # the kernel build's version (its speed), shown in blas=...+packed1
+VERSION = 4  # the kernel build's version (its speed), shown in blas=...+packed1
 KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight kernel", "MLX's product", VERSION)
 # Rows up to which a target's product reads packed weights, by bits: past them the float32 product is as fast (its
 # arithmetic dominates, and the packed one widens every weight again for each pass over the rows). Measured on the
 # AVX-512 EPYC, the embedded model's products (bench/results/cpu-avx512/MEASURED.md, 2026-11-28).
-MAX_ROWS = {4: 24, 8: 8}
+MAX_ROWS = {4: 24, 8: 24}
 
 
 def max_rows(bits: int) -> int:

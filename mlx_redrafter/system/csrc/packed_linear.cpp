@@ -215,14 +215,15 @@ ROWS_VARIANT(rows_avx512, __attribute__((target("avx512f"))), __m512, 16, widen5
 ROWS_VARIANT(rows_avx2, __attribute__((target("avx2,fma,f16c"))), __m256, 8, widen256, _mm256_loadu_ps,
              _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
 
-// 4-bit rows on AVX-512, the target's common case: R weight rows at a time times MM rows of x (each x vector feeds
-// R fused multiply-adds). Each group's 16 possible values scale x q + bias are computed once (the same multiply and
-// add as widen512, so the same floats) into a register, and every 16 weights are one permute of it by their nibbles
-// (the permute reads only an index's low 4 bits): the 8 bytes of 16 nibbles are spread so that lane i holds nibble
-// i in its low bits (a dword permute and a variable shift). Sums per output as in the small-GEMM kernel: 16 lanes
-// over k in order, then across the lanes.
-template <int MM, int R>
-__attribute__((target("avx512f"))) static inline void q4_block512(const Args& a, int m0, int n0, int n1) {
+// Quantized rows on AVX-512 (the target's 4-bit layers and 8-bit vocabulary): R weight rows at a time times MM rows
+// of x (each x vector feeds R fused multiply-adds). 4-bit: each group's 16 possible values scale x q + bias are
+// computed once (the same multiply and add as widen512, so the same floats) into a register, and every 16 weights
+// are one permute of it by their nibbles (the permute reads only an index's low 4 bits): the 8 bytes of 16 nibbles
+// are spread so that lane i holds nibble i in its low bits (a dword permute and a variable shift). 8-bit: 16 bytes
+// widened and scaled as widen512 does. Sums per output as in the small-GEMM kernel: 16 lanes over k in order, then
+// across the lanes.
+template <int BITS, int MM, int R>
+__attribute__((target("avx512f"))) static inline void quant_block512(const Args& a, int m0, int n0, int n1) {
     const float* x = a.x + (int64_t)m0 * a.ldx;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);  // bytes 0-3, 4-7
@@ -240,17 +241,22 @@ __attribute__((target("avx512f"))) static inline void q4_block512(const Args& a,
         for (int m = 0; m < MM; ++m)
             for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
         for (int k = 0; k < a.K; k += 16) {
-            if ((k & 127) == 0)  // the next block's rows, a cache line (128 nibbles) at a time
-                for (int r = 0; r < R; ++r) _mm_prefetch((const char*)(w[r] + R * a.ldw + k / 2), _MM_HINT_T0);
-            if (k % a.group == 0) {
-                const int g = k / a.group;
+            if ((k * BITS / 8 & 63) == 0)  // the next block's rows, a cache line at a time
+                for (int r = 0; r < R; ++r)
+                    _mm_prefetch((const char*)(w[r] + R * a.ldw + k * BITS / 8), _MM_HINT_T0);
+            const int g = k / a.group;
+            if (BITS == 4 && k % a.group == 0)
                 for (int r = 0; r < R; ++r)
                     t[r] = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s[r][g])), _mm512_set1_ps(b[r][g]));
-            }
             __m512 u[R];
             for (int r = 0; r < R; ++r) {
-                const __m512i d = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(w[r] + k / 2)));
-                u[r] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi32(pick, d), shifts), t[r]);
+                if (BITS == 4) {
+                    const __m512i d = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(w[r] + k / 2)));
+                    u[r] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi32(pick, d), shifts), t[r]);
+                } else {
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w[r] + k))));
+                    u[r] = _mm512_add_ps(_mm512_mul_ps(q, _mm512_set1_ps(s[r][g])), _mm512_set1_ps(b[r][g]));
+                }
             }
             for (int m = 0; m < MM; ++m) {
                 const __m512 xv = _mm512_loadu_ps(x + (int64_t)m * a.ldx + k);
@@ -287,7 +293,7 @@ __attribute__((target("avx512f"))) static void q4_widen512(const Args& a, int n,
     }
 }
 
-// More than 8 rows of x on AVX-512 (4-bit: more than 32): blocks of 4 weight rows widened once into a buffer, then multiplied into
+// More than 8 rows of x on AVX-512 (quantized: more than 32): blocks of 4 weight rows widened once into a buffer, then multiplied into
 // chunks of at most 6 rows of x with 4 x 6 accumulators, as the small-GEMM kernel does from float32 weights (the
 // same order of sums, so the same bits).
 template <int MM>
@@ -342,36 +348,41 @@ __attribute__((target("avx512f"))) static void wide512(const Args& a, int n0, in
     }
 }
 
-// 4-bit rows of more than 6 rows of x: blocks of weight rows, each times every pass of 4 rows of x while it is in
-// cache (the weights come from memory once; each pass widens them again, which costs less than reading them).
-__attribute__((target("avx512f"))) static void q4_passes512(const Args& a, int n0, int n1) {
+// Quantized rows of more than 6 rows of x: blocks of weight rows, each times every pass of 4 rows of x while it is
+// in cache (the weights come from memory once; each pass widens them again, which costs less than reading them).
+template <int BITS>
+__attribute__((target("avx512f"))) static void quant_passes512(const Args& a, int n0, int n1) {
     constexpr int BLOCK = 64;
     for (int nb = n0; nb < n1; nb += BLOCK) {
         const int ne = std::min(nb + BLOCK, n1);
         for (int m0 = 0; m0 < a.M; m0 += 4) {
             switch (std::min(4, a.M - m0)) {
-                case 1: q4_block512<1, 4>(a, m0, nb, ne); break;
-                case 2: q4_block512<2, 4>(a, m0, nb, ne); break;
-                case 3: q4_block512<3, 4>(a, m0, nb, ne); break;
-                default: q4_block512<4, 4>(a, m0, nb, ne); break;
+                case 1: quant_block512<BITS, 1, 4>(a, m0, nb, ne); break;
+                case 2: quant_block512<BITS, 2, 4>(a, m0, nb, ne); break;
+                case 3: quant_block512<BITS, 3, 4>(a, m0, nb, ne); break;
+                default: quant_block512<BITS, 4, 4>(a, m0, nb, ne); break;
             }
         }
     }
 }
 
-__attribute__((target("avx512f"))) static void rows_avx512_any(const Args& a, int n0, int n1) {
-    if (a.kind == Q4 && a.M <= 32) {
-        // rows of x per pass and weight rows per block, by measurement (EPYC, the embedded model's products)
-        switch (a.M) {
-            case 1: return q4_block512<1, 8>(a, 0, n0, n1);
-            case 2: return q4_block512<2, 8>(a, 0, n0, n1);
-            case 3: return q4_block512<3, 6>(a, 0, n0, n1);
-            case 4: return q4_block512<4, 4>(a, 0, n0, n1);
-            case 5: return q4_block512<5, 4>(a, 0, n0, n1);
-            case 6: return q4_block512<6, 4>(a, 0, n0, n1);
-            default: return q4_passes512(a, n0, n1);
-        }
+// Rows of x per pass and weight rows per block, by measurement (EPYC, the embedded model's products).
+template <int BITS>
+__attribute__((target("avx512f"))) static void quant_rows512(const Args& a, int n0, int n1) {
+    switch (a.M) {
+        case 1: return quant_block512<BITS, 1, 8>(a, 0, n0, n1);
+        case 2: return quant_block512<BITS, 2, 8>(a, 0, n0, n1);
+        case 3: return quant_block512<BITS, 3, BITS == 4 ? 6 : 4>(a, 0, n0, n1);
+        case 4: return quant_block512<BITS, 4, 4>(a, 0, n0, n1);
+        case 5: return quant_block512<BITS, 5, 4>(a, 0, n0, n1);
+        case 6: return quant_block512<BITS, 6, 4>(a, 0, n0, n1);
+        default: return quant_passes512<BITS>(a, n0, n1);
     }
+}
+
+__attribute__((target("avx512f"))) static void rows_avx512_any(const Args& a, int n0, int n1) {
+    if (a.kind == Q4 && a.M <= 32) return quant_rows512<4>(a, n0, n1);
+    if (a.kind == Q8 && a.M <= 32) return quant_rows512<8>(a, n0, n1);
     if (a.M > 8) return wide512(a, n0, n1, a.kind == Q4 ? q4_widen512 : widen_row512);
     return rows_avx512(a, n0, n1);
 }
