@@ -310,6 +310,8 @@ def greedy(model: Any, prompts: list[list[int]], max_new: int, eos_ids: list[int
     import torch
     from transformers import DynamicCache
 
+    from bench.torch_ref.compat import cache_kwarg
+
     B = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=device)
     n = int(lens.max())
@@ -320,14 +322,15 @@ def greedy(model: Any, prompts: list[list[int]], max_new: int, eos_ids: list[int
     am = (torch.arange(n, device=device)[None, :] >= pad[:, None]).long()
     pos = (torch.arange(n, device=device)[None, :] - pad[:, None]).clamp(min=0)
     cache = DynamicCache(config=model.config)
+    kw = cache_kwarg(model)
     eos = torch.tensor(eos_ids, device=device)
     out = torch.full((B, max_new), -1, dtype=torch.long, device=device)
     steps_top: list[tuple[Any, Any, Any]] = []
     rows = torch.arange(B, device=device)
     nxt_pos = lens.clone()
     with torch.no_grad():
-        logits = model(input_ids=tok, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=tok, attention_mask=am, position_ids=pos, use_cache=True, logits_to_keep=1,
+                       **{kw: cache}).logits[:, -1]
         for step in range(max_new):
             nxt = logits.argmax(-1)
             if top5:
@@ -343,8 +346,8 @@ def greedy(model: Any, prompts: list[list[int]], max_new: int, eos_ids: list[int
                 _select_cache(cache, keep)
                 rows, nxt, am, nxt_pos = rows[keep], nxt[keep], am[keep], nxt_pos[keep]
             am = torch.cat([am, torch.ones_like(am[:, :1])], dim=1)
-            logits = model(input_ids=nxt[:, None], attention_mask=am, position_ids=nxt_pos[:, None],
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(input_ids=nxt[:, None], attention_mask=am, position_ids=nxt_pos[:, None], use_cache=True,
+                           logits_to_keep=1, **{kw: cache}).logits[:, -1]
             nxt_pos = nxt_pos + 1
     res = []
     eos_set = set(eos_ids)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from bench.torch_ref.compat import cache_kwarg
 from mlx_redrafter.errors import UserError
 
 
@@ -113,8 +114,8 @@ def forward(model: Any, tokens: torch.Tensor, cache: Any = None, positions: torc
         mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
         mask = mask.masked_fill(~allowed.to(tokens.device), torch.finfo(dtype).min)[None, None]
     with layer_outputs(model, tuple(feature_layers)) as caught:
-        out = model.model(input_ids=tokens, past_key_values=cache, position_ids=positions, attention_mask=mask,
-                          use_cache=cache is not None)
+        out = model.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=cache is not None,
+                          **{cache_kwarg(model.model): cache})
     hidden = out.last_hidden_state  # after the final RMSNorm
     taps = [rms_normalized(caught[i]).to(hidden.dtype) for i in feature_layers]
     return model.lm_head(hidden), torch.cat([hidden, *taps], dim=-1) if taps else hidden
