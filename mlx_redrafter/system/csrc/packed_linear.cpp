@@ -254,7 +254,8 @@ __attribute__((target("avx512f"))) static inline void quant_block512(const Args&
                     const __m512i d = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(w[r] + k / 2)));
                     u[r] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi32(pick, d), shifts), t[r]);
                 } else {
-                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w[r] + k))));
+                    const __m128i d = _mm_loadu_si128((const __m128i*)(w[r] + k));
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(d));
                     u[r] = _mm512_add_ps(_mm512_mul_ps(q, _mm512_set1_ps(s[r][g])), _mm512_set1_ps(b[r][g]));
                 }
             }
@@ -293,9 +294,9 @@ __attribute__((target("avx512f"))) static void q4_widen512(const Args& a, int n,
     }
 }
 
-// More than 8 rows of x on AVX-512 (quantized: more than 32): blocks of 4 weight rows widened once into a buffer, then multiplied into
-// chunks of at most 6 rows of x with 4 x 6 accumulators, as the small-GEMM kernel does from float32 weights (the
-// same order of sums, so the same bits).
+// More than 8 rows of x on AVX-512 (quantized: more than 32): blocks of 4 weight rows widened once into a buffer,
+// then multiplied into chunks of at most 6 rows of x with 4 x 6 accumulators, as the small-GEMM kernel does from
+// float32 weights (the same order of sums, so the same bits).
 template <int MM>
 __attribute__((target("avx512f"))) static inline void wide4_512(const Args& a, int m0, const float* wb, int64_t ldb,
                                                                 int n, int valid) {
