@@ -205,10 +205,9 @@ class PackedWeights:
                 and packed_linear.KERNEL.isa == "avx512")
 
     @staticmethod
-    def takes(x: mx.array, bits: int) -> bool:
-        """Whether a product of x (..., K) reads a packed `bits`-bit weight: few rows (a prefill's arithmetic
-        dominates)."""
-        return packed_linear.usable() and math.prod(x.shape[:-1]) <= packed_linear.max_rows(bits)
+    def takes(x: mx.array) -> bool:
+        """Whether a product of x (..., K) reads the packed weight: few rows (a prefill's arithmetic dominates)."""
+        return packed_linear.usable() and math.prod(x.shape[:-1]) <= packed_linear.MAX_ROWS
 
     def __call__(self, x: mx.array) -> mx.array:
         return packed_linear.quantized_product(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
@@ -265,7 +264,7 @@ class FusedLinear:
 
     def product(self, x: mx.array) -> mx.array:
         """x @ (the layers' weights, stacked)^T (+ bias): every layer's outputs side by side."""
-        if self.packed is not None and PackedWeights.takes(x, self.packed.bits):
+        if self.packed is not None and PackedWeights.takes(x):
             return self.packed(x)
         return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
 
@@ -420,7 +419,6 @@ class CompiledLayer:
         self.functions = functions(lambda x, w_t: x @ w_t)
         self.weights: list[tuple[mx.array, ...]] | None = []  # per layer: what its two functions read
         self.packed_functions, self.packed_weights = None, None  # the same from quantized weights (PackedWeights)
-        self.packed_bits = 0
         self.held: list[tuple[nn.Module, mx.array]] = []  # (module, its weight when built): checked every call
         packed: list[tuple] | None = []
         formats: set[tuple[int, int]] = set()
@@ -444,7 +442,7 @@ class CompiledLayer:
                           (b.post_attention_layernorm, b.post_attention_layernorm.weight)]
         if self.weights is not None and packed and len(formats) == 1:
             bits, group = formats.pop()
-            self.packed_weights, self.packed_bits = packed, bits
+            self.packed_weights = packed
             self.packed_functions = functions(
                 lambda x, w: packed_linear.quantized_product(x, *w, bits, group))
 
@@ -457,7 +455,7 @@ class CompiledLayer:
                  cache: KVCache, ragged: Ragged | None = None) -> mx.array:
         """Layer `layer` on x (B * N, dim) -> (B * N, dim) (ragged rows: (T, dim) -> (T, dim)), as
         `TransformerBlock` computes it."""
-        packed = self.packed_weights is not None and PackedWeights.takes(x, self.packed_bits)
+        packed = self.packed_weights is not None and PackedWeights.takes(x)
         before, after, before_ragged, after_ragged = self.packed_functions if packed else self.functions
         norm1, qkv, o, norm2, gate_up, down = (self.packed_weights if packed else self.weights)[layer]
         if ragged is None:
@@ -557,7 +555,7 @@ class Model(nn.Module):
         """Vocabulary logits from post-norm hidden states."""
         layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         packed = getattr(layer, "packed", None)
-        if packed is not None and packed.current(layer) and PackedWeights.takes(hidden, packed.bits):
+        if packed is not None and packed.current(layer) and PackedWeights.takes(hidden):
             return packed(hidden)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)

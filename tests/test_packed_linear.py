@@ -167,7 +167,7 @@ def test_the_embedded_target_keeps_its_quantized_weights_beside_the_float32_ones
                                          (4, 8), (3, 11), (5, 5)])
 def test_forwards_from_packed_weights_have_the_bits_of_the_float32_forwards(packed_target, chat_ids, rows, tokens):
     """Logits and hidden states of steps of every size, after a prefill, equal bit for bit with the kernel and
-    without it (prefills and steps of more than `max_rows` rows read the float32 weights either way)."""
+    without it (prefills and steps of more than `MAX_ROWS` rows read the float32 weights either way)."""
     model = packed_target.model
     prompts = [chat_ids[r % len(chat_ids)][:30] for r in range(rows)]
     outs = []

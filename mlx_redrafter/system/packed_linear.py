@@ -6,7 +6,7 @@ A decoding step multiplies a few rows by every weight matrix, so on a CPU it cos
 and MLX's own float16 and quantized products there are several times slower than its float32 ones: this project
 ran float32 copies (538 MB a target call for the embedded 4-bit model). With this kernel a float32 target keeps its
 quantized weights beside the float32 copies (`models.packed`), and a drafter float16 copies of the weights float16
-holds exactly (`draft.half_weights`); steps of up to `max_rows(bits)` rows read those. Built against the installed
+holds exactly (`draft.half_weights`); steps of up to `MAX_ROWS` rows read those. Built against the installed
 MLX by `make setup` (`python -m mlx_redrafter.system.packed_linear`); where it is not built, does not load or fails its
 self-check, the float32 copies serve, as before (one line on stderr says so where it was expected).
 Switch: REDRAFTER_PACKED_WEIGHTS=auto (default) | off.
@@ -23,15 +23,10 @@ from mlx_redrafter.system.extension import Extension
 
 VERSION = 4  # the kernel build's version (its speed), shown in blas=...+packed1
 KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight kernel", "MLX's product", VERSION)
-# Rows up to which a target's product reads packed weights, by bits: past them the float32 product is as fast (its
-# arithmetic dominates, and the packed one widens every weight again for each pass over the rows). Measured on the
-# AVX-512 EPYC, the embedded model's products (bench/results/cpu-avx512/MEASURED.md, 2026-11-28).
-MAX_ROWS = {4: 24, 8: 24}
-
-
-def max_rows(bits: int) -> int:
-    """Rows up to which a product from `bits`-bit weights reads them packed."""
-    return MAX_ROWS.get(bits, 8)
+# Rows up to which a target's product reads its 4- or 8-bit weights packed: past them the float32 product is as fast
+# (its arithmetic dominates, and the packed one widens every weight again for each pass over the rows). Measured on
+# the AVX-512 EPYC, the embedded model's products (bench/results/cpu-avx512/MEASURED.md, 2026-11-28).
+MAX_ROWS = 24
 
 
 def load(threads: int, expected: bool) -> str:
