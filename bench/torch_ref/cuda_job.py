@@ -133,14 +133,7 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     gguf = Path(target.path)
     data = gguf.read_bytes()
     if write_gguf:
-        import lzma
-
-        packed = lzma.compress(data, preset=0)
-        for old in job_dir.glob("gguf.xz.*"):
-            old.unlink()
-        parts = -(-len(packed) // GGUF_PART_BYTES)
-        for k in range(parts):
-            (job_dir / f"gguf.xz.{k}").write_bytes(packed[k * GGUF_PART_BYTES:(k + 1) * GGUF_PART_BYTES])
+        parts, _ = write_parts(data, job_dir / "gguf", preset=0)
         _bundle_gguf_reader(job_dir / "pylib")
     else:
         parts = len(list(job_dir.glob("gguf.xz.*")))
@@ -164,6 +157,34 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
           f"(xz) in {parts} parts{sizes}")
 
 
+def write_parts(data: bytes, stem: Path, preset: int) -> tuple[int, int]:
+    """`data` xz-compressed in parts `<stem>.xz.0`, `.1`, ... of at most `GGUF_PART_BYTES` (earlier parts of that
+    stem removed); returns (parts, compressed bytes)."""
+    import lzma
+
+    for old in stem.parent.glob(f"{stem.name}.xz.*"):
+        old.unlink()
+    packed = lzma.compress(data, preset=preset)
+    parts = -(-len(packed) // GGUF_PART_BYTES)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for k in range(parts):
+        Path(f"{stem}.xz.{k}").write_bytes(packed[k * GGUF_PART_BYTES:(k + 1) * GGUF_PART_BYTES])
+    return parts, len(packed)
+
+
+def read_parts(name: str, parts: int, dirs: list[Path | None], what: str) -> bytes:
+    """What `write_parts` wrote under stem `name`, from the first of `dirs` holding its first part; a missing part
+    is one `error:` line."""
+    import lzma
+
+    where = next((d for d in dirs if d is not None and (d / f"{name}.xz.0").is_file()), None)
+    paths = [(where or next(d for d in dirs if d is not None)) / f"{name}.xz.{k}" for k in range(parts)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing or not paths:
+        _fail(f"{what} part(s) missing: {', '.join(missing) or name}: copy every {name}.xz.* of the job there")
+    return lzma.decompress(b"".join(p.read_bytes() for p in paths))
+
+
 CORPUS_ARRAYS = ("prompt_len", "prompt_index", "turn")  # per sequence, besides its tokens
 
 
@@ -175,18 +196,16 @@ def pack_corpus(corpus_dir: Path, stem: Path) -> dict[str, Any]:
     (`unpack_corpus`), so that a transport too small for the checkout's corpus carries this instead. Returns the
     pack's entry of the job spec (parts, shards, sequences, bytes); no parts for a corpus without shards."""
     import io
-    import lzma
 
     for old in stem.parent.glob(f"{stem.name}.xz.*"):
         old.unlink()
     manifest = corpus_dir / "manifest.json"
-    names = sorted(json.loads(manifest.read_text())["shards"]) if manifest.is_file() else []
-    names = [n for n in names if (corpus_dir / n).is_file()]
+    entries = json.loads(manifest.read_text())["shards"] if manifest.is_file() else {}
+    names = [n for n in sorted(entries) if (corpus_dir / n).is_file()]
     if not names:
         return {"parts": 0, "shards": 0, "sequences": 0, "bytes": 0}
     splits, counts, tokens, lengths = [], [], [], []
     per_seq: dict[str, list[np.ndarray]] = {k: [] for k in CORPUS_ARRAYS}
-    entries = json.loads(manifest.read_text())["shards"]
     for name in names:
         with np.load(corpus_dir / name) as z:
             off = z["offsets"]
@@ -200,39 +219,26 @@ def pack_corpus(corpus_dir: Path, stem: Path) -> dict[str, Any]:
     np.savez(buf, names=np.array(names), splits=np.array(splits), counts=np.array(counts, np.int64),
              tokens=np.concatenate(tokens).astype(np.result_type(*tokens)), lengths=np.concatenate(lengths),
              **{k: np.concatenate(v) for k, v in per_seq.items()})
-    packed = lzma.compress(buf.getvalue(), preset=9)
-    parts = -(-len(packed) // GGUF_PART_BYTES)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    for k in range(parts):
-        Path(f"{stem}.xz.{k}").write_bytes(packed[k * GGUF_PART_BYTES:(k + 1) * GGUF_PART_BYTES])
-    return {"parts": parts, "shards": len(names), "sequences": int(sum(counts)), "bytes": len(packed),
-            "stem": stem.name}
+    parts, size = write_parts(buf.getvalue(), stem, preset=9)
+    return {"parts": parts, "shards": len(names), "sequences": int(sum(counts)), "bytes": size, "stem": stem.name}
 
 
 def unpack_corpus(pack: dict[str, Any], dirs: list[Path], dest: Path) -> Path:
     """The shards of a `pack_corpus` pack, whose parts are in one of `dirs`, rebuilt in `dest` (uncompressed, with
     a manifest giving each shard's split: what `corpus_sequences` and `turn1_sequences` read). Returns `dest`."""
     import io
-    import lzma
 
-    where = next((d for d in dirs if d is not None and (d / f"{pack['stem']}.xz.0").is_file()), None)
-    parts = [where / f"{pack['stem']}.xz.{k}" for k in range(pack["parts"])] if where else []
-    if not parts or not all(p.is_file() for p in parts):
-        _fail(f"corpus pack {pack['stem']}.xz.0-{pack['parts'] - 1} not found in "
-              f"{', '.join(str(d) for d in dirs if d is not None)}: copy every {pack['stem']}.xz.* of the job there")
-    with np.load(io.BytesIO(lzma.decompress(b"".join(p.read_bytes() for p in parts)))) as z:
+    with np.load(io.BytesIO(read_parts(pack["stem"], pack["parts"], dirs, "corpus pack"))) as z:
         data = {k: z[k] for k in z.files}
     dest.mkdir(parents=True, exist_ok=True)
-    seq_end = np.cumsum(data["counts"])
-    tok_end = np.cumsum(data["lengths"])
-    shards, s0 = {}, 0
-    for name, split, s1 in zip(data["names"].tolist(), data["splits"].tolist(), seq_end.tolist()):
-        t0, t1 = (int(tok_end[s0 - 1]) if s0 else 0), int(tok_end[s1 - 1]) if s1 else 0
-        lengths = data["lengths"][s0:s1]
-        np.savez(dest / name, tokens=data["tokens"][t0:t1], offsets=np.concatenate([[0], np.cumsum(lengths)]),
+    seq_at = np.concatenate([[0], np.cumsum(data["counts"])])  # each shard's first sequence
+    tok_at = np.concatenate([[0], np.cumsum(data["lengths"])])  # each sequence's first token
+    shards = {}
+    for i, (name, split) in enumerate(zip(data["names"].tolist(), data["splits"].tolist())):
+        s0, s1 = int(seq_at[i]), int(seq_at[i + 1])
+        np.savez(dest / name, tokens=data["tokens"][tok_at[s0]:tok_at[s1]], offsets=tok_at[s0:s1 + 1] - tok_at[s0],
                  split=np.array(split), **{k: data[k][s0:s1] for k in CORPUS_ARRAYS})
         shards[name] = {"split": split}
-        s0 = s1
     (dest / "manifest.json").write_text(json.dumps({"shards": shards}) + "\n")
     return dest
 
@@ -281,13 +287,7 @@ def load_model(job_dir: Path, spec: dict, device: str, gguf_dir: Path | None = N
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
-    import lzma
-
-    parts = [(gguf_dir or job_dir) / f"gguf.xz.{k}" for k in range(spec.get("gguf_parts", 3))]
-    missing = [str(p) for p in parts if not p.is_file()]
-    if missing:
-        _fail(f"GGUF part(s) missing: {', '.join(missing)}: copy every gguf.xz.* of the job there")
-    data = lzma.decompress(b"".join(p.read_bytes() for p in parts))
+    data = read_parts("gguf", spec.get("gguf_parts", 3), [gguf_dir or job_dir], "GGUF")
     if hashlib.sha256(data).hexdigest() != spec["gguf_sha256"]:
         _fail("the GGUF parts do not add up to the prepared file: run prepare again")
     folder = Path(tempfile.mkdtemp(prefix="cuda-job-"))
