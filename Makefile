@@ -92,8 +92,8 @@ data: $(STAMP)  ## the background data job: features, then the target's own answ
 	    MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(WORKERS) $(DISTILL_ARGS) ) & \
 	done; wait
 
-train: $(STAMP)  ## train the drafter recipe on the committed corpus -> runs/drafter/drafter (features rebuilt on demand)
-	MKL_NUM_THREADS=$(or $(THREADS),2) $(BIN)/redrafter-mlx train
+train: $(STAMP)  ## train the drafter recipe on the committed corpus -> runs/drafter/drafter (features rebuilt on demand; TRAIN_ARGS)
+	MKL_NUM_THREADS=$(or $(THREADS),2) $(BIN)/redrafter-mlx train $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

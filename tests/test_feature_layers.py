@@ -157,15 +157,49 @@ def test_a_fused_drafter_has_no_export_to_apples_format(fused, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_cpu_trainer_refuses_to_start_from_a_fused_drafter(fused, tmp_path):
+def test_the_cpu_trainer_trains_a_fused_drafter_on_features_with_its_layers(fused, tmp_path):
+    """`train --init-from` a fused drafter: the features gain the tapped layers' states (beside the last state and
+    labels, which stay as they were) and the trained drafter reads the same layers; other layers are refused."""
     from one_line import assert_one_line_error, run
     from test_bad_training import train
 
     folder = save_drafter(fused, tmp_path / "fused")
     out = tmp_path / "out"
     proc = run(train(tmp_path, "-o", str(out), "--init-from", str(folder)), tmp_path)
-    assert_one_line_error(proc, "reads target layers [2, 15, 24]", "cuda_job.py")
-    assert not out.exists()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_drafter(out).args.feature_layers == LAYERS
+    taps = sorted((tmp_path / "feat").rglob("*.taps-2-15-24.npy"))
+    assert len(taps) == 3  # the held-out shard and both train shards
+    for f in taps:
+        arr = np.load(f).astype(np.float64).reshape(-1, len(LAYERS), 576)
+        last = np.load(str(f).replace(".taps-2-15-24", ""))
+        assert arr.shape[0] == last.shape[0] == 16 and np.allclose((arr**2).mean(-1), 1.0, atol=2e-2)
+    for args in (["--init-from", str(folder), "--feature-layers", "3,4", "--restart"],  # not the start's layers
+                 ["--feature-layers", "3,4"],  # not the checkpoint's
+                 ["--feature-layers", "2,30", "--restart"]):  # the target has layers 0-29
+        proc = run(train(tmp_path, "-o", str(tmp_path / "other"), *args), tmp_path)
+        assert_one_line_error(proc, "3, 4" if "3,4" in args else "0-29")
+        assert not (tmp_path / "other").exists()
+
+
+def test_a_drafter_grown_to_fuse_layers_starts_as_it_was(target, tapped, chat_ids):
+    """`with_feature_layers` adds a fusion that starts as [I, 0, ..., 0]: the grown drafter's teacher-forced
+    logits on the target's features (last state + tapped layers) equal the plain drafter's on the last state,
+    and they are what beam search drafts from."""
+    from mlx_redrafter.train.loop import with_feature_layers
+    from mlx_redrafter.train.loss import teacher_forced_logits
+
+    plain = random_drafter(576, 49152, seed=4, exit_dim=128, draft_vocab_size=4096)
+    _, wide = tapped.model(mx.array([chat_ids[0][:20]]), tapped.model.make_cache(32))
+    h = wide[0, -3:]  # (3, 4 H)
+    x = mx.array([[11, 12, 13], [21, 22, 23], [31, 32, 33]])
+    before = teacher_forced_logits(plain, h[:, :576], embed(x))
+    grown = with_feature_layers(plain, tuple(LAYERS))
+    assert grown.args.feature_layers == LAYERS and grown.fuse.weight.shape == (576, 576 * 4)
+    after = teacher_forced_logits(grown, h, embed(x))
+    assert mx.allclose(before, after, atol=1e-5)
+    beams, _ = beam_search(grown, embed, h[:1], mx.array([11]), width=1, length=2)
+    assert int(beams[0, 0, 1]) == int(grown.token_ids(mx.argmax(after[0, 0])))
 
 
 def test_the_data_engine_keeps_the_last_state_on_a_target_that_returns_tapped_layers(target, chat_ids):

@@ -113,6 +113,31 @@ def test_labels_are_added_beside_states_kept_from_generation(target, responses_f
         np.testing.assert_allclose(a["top_logp"][:, 0], b["top_logp"][:, 0], atol=0.05)
 
 
+def test_a_fused_drafters_features_add_the_tapped_layers_to_the_states_a_cache_holds(target, responses_file,
+                                                                                     tmp_path):
+    """States and labels cached for a drafter that reads the last layer alone stay; asking for target layers
+    teacher-forces the shard again and adds their states, each layer's output over its RMS."""
+    corpus = grow(TextSource(target, responses_file, SETTINGS), target, tmp_path / "t", progress=False,
+                  log=lambda m: None)
+    tok, name = target.tokenizer, sorted(corpus.entries)[1]
+    plain = ensure(corpus, target.model, tok.eos_ids[0], tmp_path / "f", [name], progress=False, log=lambda m: None)
+    before = np.load(plain[name].hidden)
+    messages = []
+    wide = ensure(corpus, target.model, tok.eos_ids[0], tmp_path / "f", [name], progress=False, log=messages.append,
+                  layers=(2, 15, 24))
+    assert "1 shards teacher-forced with target layers 2, 15, 24" in messages[0]
+    assert wide[name].hidden == plain[name].hidden and wide[name].taps.name.endswith(".taps-2-15-24.npy")
+    f = load_features(wide[name], load_shard(corpus.root / name))
+    assert f.taps.shape == (before.shape[0], 3 * 576) and np.array_equal(np.asarray(f.hidden), before)
+    sh = load_shard(corpus.root / name)
+    forced, _, _ = teacher_forced(target.model, sh, tok.eos_ids[0], layers=(2, 15, 24))
+    assert np.array_equal(forced[:, 576:], np.asarray(f.taps)) and target.model.feature_layers == ()
+    again = []
+    ensure(corpus, target.model, tok.eos_ids[0], tmp_path / "f", [name], progress=False, log=again.append,
+           layers=(2, 15, 24))
+    assert again == []  # nothing left to build
+
+
 def test_bad_responses_files_are_one_line_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     for content, needle in ((b'{"prompt": "x"}\n', "response"), (b"\xff\xfe", "UTF-8"), (b"not json\n", "JSON")):

@@ -312,6 +312,11 @@ def test_cli_errors(tmp_path):
     assert res.exit_code == 2 and "hidden_size" in res.output
     res = lm.invoke(app, ["eval-drafter", "--widths", "x"])
     assert res.exit_code == 2 and "error: --widths" in res.output
+    for layers, needle in (("2,40", "has layers 0-29"), ("x", "--feature-layers takes"), ("-1,2", "feature_layers")):
+        res = lm.invoke(app, ["features", "--feature-layers", layers, "--nice", "0", "--features",
+                              str(tmp_path / "f")])
+        assert res.exit_code == 2 and res.output.startswith("error: ") and needle in res.output, res.output
+    assert not (tmp_path / "f").exists() or not any((tmp_path / "f").iterdir())
 
 
 def test_train_help_explains_the_steps():

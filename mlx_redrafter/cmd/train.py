@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from mlx_redrafter.cmd import common as c
+from mlx_redrafter.draft.redrafter import check_feature_layers
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import check_writable_dir, check_writable_file
 from mlx_redrafter.schema import Field, check_option
@@ -106,6 +107,8 @@ def features(
     worker: str = typer.Option("0/1", help="I/N: build only every N-th missing shard, starting at I."),
     shards: str | None = typer.Option(None, help="Only the shards with these plan indices, e.g. 0,10-16 "
                                       "(shard-NNNNN.npz) [all]."),
+    feature_layers: str | None = typer.Option(None, "--feature-layers", help="Also the states of these target "
+                                              "layers, e.g. 2,15,24 (for a drafter that fuses them) [none]."),
 ) -> None:
     """Build the teacher-forced features of corpora: the target's hidden states and top-k labels at every
     position (float32 forward of the runtime's own model). Resumable; `train` builds what is missing anyway."""
@@ -124,7 +127,11 @@ def features(
     check_writable_dir(cache, "--features")
     lower_priority(nice)
     set_threads(threads)
+    layers = tuple(c.int_list(feature_layers, "--feature-layers")) if feature_layers else ()
+    if layers:
+        check_feature_layers(list(layers), "--feature-layers")
     target = load_target(model, "float32")
+    check_layers_exist(layers, target)
     roots = corpus or sorted(p for p in DEFAULT_CORPUS.glob(f"{target.name}*") if (p / "manifest.json").exists())
     if not roots:
         raise UserError(f"no corpus of {target.name} under {DEFAULT_CORPUS}: run `make distill` first")
@@ -132,7 +139,7 @@ def features(
         c_ = open_corpus(root, target.model.args.vocab_size)
         names = sorted(x for x in c_.entries if only is None or shard_index(x) in only)
         ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, names, worker=(i, n),
-               log=lambda m: typer.echo(m, err=True))
+               log=lambda m: typer.echo(m, err=True), layers=layers)
 
 
 @c.one_line_errors
@@ -198,6 +205,9 @@ def train(
     init_from: Path | None = typer.Option(None, "--init-from", help="Start from this drafter's weights and head "
                                           "vocabulary (e.g. fine-tune a shipped drafter on new data); its shape "
                                           "replaces the shape options."),
+    feature_layers: str | None = typer.Option(None, "--feature-layers", help="Target layers whose states the "
+                                              "drafter fuses with the last one, e.g. 2,15,24 (EAGLE-3 style; the "
+                                              "features then hold them too) [none, or the --init-from drafter's]."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from RUN_DIR/checkpoint."),
     float16: bool = typer.Option(True, "--float16/--float32", help="Storage dtype of the saved weights."),
     eval_prompts: int = typer.Option(0, help="Also measure tokens per target call on this many held-out prompts."),
@@ -216,13 +226,15 @@ def train(
 
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.train.kinds import DRAFT_MODE
-    from mlx_redrafter.train.loop import train_drafter
+    from mlx_redrafter.train.loop import planned_layers, train_drafter
     from mlx_redrafter.train.pipeline import model_card, prepare, save_shipped
 
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
                       feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
-                      kind=kind, init_from=str(init_from) if init_from is not None else None).check()
+                      kind=kind, init_from=str(init_from) if init_from is not None else None,
+                      feature_layers=tuple(c.int_list(feature_layers, "--feature-layers")) if feature_layers else (),
+                      ).check()
     if init_from is not None:
         from mlx_redrafter.draft.kinds import check_drafter_config
 
@@ -231,10 +243,6 @@ def train(
         except UserError as e:
             raise UserError(f"--init-from {init_from} is not a drafter folder ({e}): give the folder of a drafter, "
                             f"e.g. mlx_redrafter/drafters/<model>") from None
-        from mlx_redrafter.files import read_json
-        from mlx_redrafter.train.loop import check_trainable
-
-        check_trainable(read_json(init_from / "config.json", "drafter config"), f"--init-from {init_from}")
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
     only = c.int_list(shards, "--shards") if shards is not None else None
     check_option("--eval-prompts", eval_prompts, Field("", int, 0, 100_000))
@@ -244,12 +252,14 @@ def train(
     if output is not None:
         check_output_dir(output, force)
     target = load_target(model, "float32")
+    layers = planned_layers(cfg, run_dir, resume)
+    check_layers_exist(layers, target)
     corpora = corpus or [corpus_dir(DEFAULT_CORPUS, target.name, s) for s in cfg.sources]
     t0 = time.perf_counter()
     typer.echo("step 1/3: features", err=True)
     tr, ho, used = prepare(target, corpora, features, corpus_tokens,
                            heldout=heldout or corpora[0],
-                           log=lambda m: typer.echo(m, err=True), shards=only)
+                           log=lambda m: typer.echo(m, err=True), shards=only, layers=layers)
     t1 = time.perf_counter()
     typer.echo(f"step 2/3: training ({steps} steps) -> {run_dir}", err=True)
     drafter, summary = train_drafter(target, tr, ho, run_dir, cfg, resume=resume, log=lambda m: typer.echo(m, err=True))
@@ -272,6 +282,13 @@ def train(
     save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
     typer.echo(f"step 3/3: saved {out}", err=True)
 
+
+
+def check_layers_exist(layers: tuple[int, ...], target) -> None:
+    """One-line error unless the target has every layer of `layers` (feature layers of a drafter)."""
+    if layers and max(layers) >= target.model.args.num_hidden_layers:
+        raise UserError(f"--feature-layers {','.join(map(str, layers))}: {target.name} has layers 0-"
+                        f"{target.model.args.num_hidden_layers - 1}")
 
 
 def check_output_dir(out: Path, force: bool) -> None:

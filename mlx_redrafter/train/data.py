@@ -5,7 +5,8 @@ steps starts from the target's hidden state h_p, consumes x_{p+1} .. x_{p+T} (x_
 token the target already decided) and at step j learns what the target decides at position p+j: its top-1
 token (hard labels) or its top-k distribution (soft labels), both from the teacher-forced pass. Steps past the
 end of the sequence are masked. Examples may span several corpora (e.g. the target's own answers and fixed
-text); hidden states stay memory-mapped per shard.
+text); hidden states stay memory-mapped per shard. For a drafter that fuses target layers, h_p is the post-norm
+state followed by those layers' states (`features.FeaturePaths.layers`), the input of its `context`.
 """
 
 from __future__ import annotations
@@ -35,17 +36,24 @@ class Examples:
     sequences: int
     response_tokens: int
     by_corpus: dict[str, int] = field(default_factory=dict)  # response tokens per corpus
+    taps: list[np.ndarray] | None = None  # per shard: (C_s, n H) float16 states of the tapped layers
+    layers: tuple[int, ...] = ()  # the target layers `taps` holds
 
     def __len__(self) -> int:
         return len(self.tok_index)
 
     def states(self, idx: np.ndarray) -> np.ndarray:
-        """Hidden states (len(idx), H) float32 of context positions `idx`."""
-        out = np.empty((len(idx), self.hidden[0].shape[1]), np.float32)
+        """Hidden states (len(idx), H) float32 of context positions `idx`, followed by the tapped layers' (n H)
+        where the examples hold some."""
+        H = self.hidden[0].shape[1]
+        out = np.empty((len(idx), H * (1 + len(self.layers))), np.float32)
         shard = self.shard_of[idx]
         for s in np.unique(shard):
             m = shard == s
-            out[m] = self.hidden[s][self.row_of[idx[m]]]
+            rows = self.row_of[idx[m]]
+            out[m, :H] = self.hidden[s][rows]
+            if self.taps is not None:
+                out[m, H:] = self.taps[s][rows]
         return out
 
 
@@ -53,7 +61,10 @@ def load_examples(parts: list[tuple[Corpus, dict[str, FeaturePaths], list[str]]]
     """Examples of the named shards of each corpus (features must exist: see features.ensure)."""
     if not any(names for _, _, names in parts):
         raise UserError("no corpus shards to train on: run `make distill` first")
-    toks, hids, shard_of, row_of, ids, logp, ti, ends = [], [], [], [], [], [], [], []
+    toks, hids, taps, shard_of, row_of, ids, logp, ti, ends = [], [], [], [], [], [], [], [], []
+    layers = {paths[name].layers for _, paths, names in parts for name in names}
+    if len(layers) > 1:
+        raise ValueError(f"examples mix features of target layers {sorted(layers)}")
     base = n_seq = n_resp = 0
     by_corpus: dict[str, int] = {}
     for corpus, paths, names in parts:
@@ -62,6 +73,7 @@ def load_examples(parts: list[tuple[Corpus, dict[str, FeaturePaths], list[str]]]
             f = load_features(paths[name], sh)
             s = len(hids)
             hids.append(f.hidden)
+            taps.append(f.taps)
             shard_of.append(np.full(f.hidden.shape[0], s, np.int32))
             row_of.append(np.arange(f.hidden.shape[0], dtype=np.int64))
             ids.append(np.asarray(f.top_ids, np.int32))
@@ -80,7 +92,8 @@ def load_examples(parts: list[tuple[Corpus, dict[str, FeaturePaths], list[str]]]
     return Examples(tokens=np.concatenate(toks).astype(np.int32), hidden=hids, shard_of=np.concatenate(shard_of),
                     row_of=np.concatenate(row_of), top_ids=np.concatenate(ids), top_logp=np.concatenate(logp),
                     tok_index=np.concatenate(ti).astype(np.int64), seq_end=np.concatenate(ends).astype(np.int64),
-                    sequences=n_seq, response_tokens=n_resp, by_corpus=by_corpus)
+                    sequences=n_seq, response_tokens=n_resp, by_corpus=by_corpus,
+                    taps=taps if taps[0] is not None else None, layers=layers.pop())
 
 
 @dataclass

@@ -10,9 +10,13 @@ Per shard of a corpus, in a local cache keyed by the shard's sha256 (a regenerat
 
     <cache>/<corpus>/shard-XXXXX-<sha12>.npy          hidden (contexts, H) float16
     <cache>/<corpus>/shard-XXXXX-<sha12>.labels.npz   top_ids (contexts, k) int32, top_logp (contexts, k) float16
+    <cache>/<corpus>/shard-XXXXX-<sha12>.taps-2-15-24.npy   (contexts, 3 H) float16, only for drafters that fuse
+                                                      target layers (here 2, 15 and 24): each layer's output over
+                                                      its RMS, as `Model` returns them beside the last state
 
 A greedy corpus keeps the states its generation computed anyway (`save_hidden`); labels missing beside stored
-states are computed from them (the output layer only); anything else gets the full teacher-forced pass.
+states are computed from them (the output layer only); anything else, tapped layers included, gets the full
+teacher-forced pass.
 """
 
 from __future__ import annotations
@@ -40,11 +44,15 @@ LOGIT_ROWS = 1024  # rows of vocabulary logits computed at once (49k-wide float3
 class FeaturePaths:
     hidden: Path
     labels: Path
+    taps: Path | None = None  # the tapped layers' states, where a drafter fuses some
+    layers: tuple[int, ...] = ()  # which layers `taps` holds
 
 
-def feature_paths(root: str | Path, shard_name: str, sha256: str) -> FeaturePaths:
+def feature_paths(root: str | Path, shard_name: str, sha256: str, layers: tuple[int, ...] = ()) -> FeaturePaths:
+    """Where a shard's features live; with `layers`, the tapped states of those target layers too."""
     stem = f"{Path(shard_name).stem}-{sha256[:12]}"
-    return FeaturePaths(Path(root) / f"{stem}.npy", Path(root) / f"{stem}.labels.npz")
+    taps = Path(root) / f"{stem}.taps-{'-'.join(map(str, layers))}.npy" if layers else None
+    return FeaturePaths(Path(root) / f"{stem}.npy", Path(root) / f"{stem}.labels.npz", taps, tuple(layers))
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:
@@ -108,9 +116,22 @@ def length_groups(lens: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
 
 
 def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_batch_tokens: int = 4096,
-                   progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   progress: Callable[[int], None] | None = None, layers: tuple[int, ...] = (),
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(hidden float16 (C, H), top_ids (C, k), top_logp (C, k)) at every context position of the shard, in
-    sequence order: one float32 forward per batch of similar-length sequences (left-padded)."""
+    sequence order: one float32 forward per batch of similar-length sequences (left-padded). With `layers`, hidden
+    is (C, H * (1 + len(layers))): the post-norm state followed by those layers' states over their RMS, what a
+    drafter that fuses them conditions on."""
+    kept = model.feature_layers
+    model.feature_layers = tuple(layers)
+    try:
+        return _teacher_forced(model, shard, pad_id, k, max_batch_tokens, progress)
+    finally:
+        model.feature_layers = kept
+
+
+def _teacher_forced(model: Model, shard: Shard, pad_id: int, k: int, max_batch_tokens: int,
+                    progress: Callable[[int], None] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n_seq = shard.num_sequences
     lens = shard.offsets[1:] - shard.offsets[:-1]
     hid: list[np.ndarray | None] = [None] * n_seq
@@ -123,9 +144,8 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
                                     all_hidden=True)
         spans = [(int(pad[b]) + int(shard.prompt_len[q]) - 1, int(pad[b]) + int(lens[q]) - 1) for b, q in
                  enumerate(idx)]
-        hidden = model.last_state(hidden)  # the post-norm states: this trainer's drafters read the last layer alone
-        ctx = mx.concatenate([hidden[b, s:e] for b, (s, e) in enumerate(spans)])  # float32 states
-        top_i, top_v = _labels_in_chunks(model, ctx, k)
+        ctx = mx.concatenate([hidden[b, s:e] for b, (s, e) in enumerate(spans)])  # float32 states (+ taps)
+        top_i, top_v = _labels_in_chunks(model, model.last_state(ctx), k)
         h16 = np.array(ctx.astype(mx.float16))
         start = 0
         for q, (s, e) in zip(idx, spans):
@@ -134,26 +154,32 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
             start += e - s
         if progress is not None:
             progress(int(lens[idx].sum()))
-    H = model.args.hidden_size
+    H = model.args.hidden_size * (1 + len(model.feature_layers))
     cat = lambda parts, shape, dt: np.concatenate([np.zeros(shape, dt)] + parts)  # noqa: E731
     return cat(hid, (0, H), np.float16), cat(ids, (0, k), np.int32), cat(logp, (0, k), np.float32)
 
 
 def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, names: list[str] | None = None, *,
            worker: tuple[int, int] = (0, 1), progress: bool = True, log: Callable[[str], None] = print,
-           ) -> dict[str, FeaturePaths]:
-    """Feature files for the corpus shards `names` (default: all), building what is missing; with
-    `worker=(i, n)` this process builds only the shards at positions i modulo n of `names`."""
+           layers: tuple[int, ...] = ()) -> dict[str, FeaturePaths]:
+    """Feature files for the corpus shards `names` (default: all), building what is missing; with `layers`, the
+    tapped states of those target layers too; with `worker=(i, n)` this process builds only the shards at
+    positions i modulo n of `names`."""
     names = names if names is not None else sorted(corpus.entries)
-    paths = {n: feature_paths(cache_root, n, corpus.entries[n]["sha256"]) for n in names}
+    paths = {n: feature_paths(cache_root, n, corpus.entries[n]["sha256"], layers) for n in names}
     mine = [n for q, n in enumerate(names) if q % worker[1] == worker[0]]
-    forced = [n for n in mine if not paths[n].hidden.exists()]
-    relabel = [n for n in mine if paths[n].hidden.exists() and not paths[n].labels.exists()]
+
+    def finished(f: FeaturePaths) -> bool:  # hidden is written last: present means its pass finished
+        return f.hidden.exists() and (f.taps is None or f.taps.exists())
+
+    forced = [n for n in mine if not finished(paths[n])]
+    relabel = [n for n in mine if finished(paths[n]) and not paths[n].labels.exists()]
     if not forced and not relabel:
         return paths
     vocab = model.args.vocab_size  # ids outside it would make the embedding read out of bounds
     tokens = sum(int(load_shard(corpus.root / n, vocab).offsets[-1]) for n in forced + relabel)
-    log(f"features for {corpus.name}: {len(forced)} shards teacher-forced, {len(relabel)} labelled from stored "
+    tapped = f" with target layers {', '.join(map(str, layers))}" if layers else ""
+    log(f"features for {corpus.name}: {len(forced)} shards teacher-forced{tapped}, {len(relabel)} labelled from stored "
         f"states ({tokens} tokens) -> {cache_root}")
     bar = None
     if progress:
@@ -163,7 +189,7 @@ def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, na
     t0, done = time.perf_counter(), 0
     for n in relabel + forced:
         sh = load_shard(corpus.root / n, vocab)
-        if paths[n].hidden.exists() and paths[n].labels.exists():  # built meanwhile by another worker
+        if finished(paths[n]) and paths[n].labels.exists():  # built meanwhile by another worker
             if bar is not None:
                 bar.update(int(sh.offsets[-1]))
             continue
@@ -176,9 +202,13 @@ def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, na
             if bar is not None:
                 bar.update(int(sh.offsets[-1]))
         else:
-            hidden, ids, logp = teacher_forced(model, sh, pad_id, progress=bar.update if bar is not None else None)
-            _save_labels(paths[n].labels, ids, logp)  # labels first: hidden present means "pass done"
-            write_atomic(paths[n].hidden, _npy_bytes(hidden))
+            hidden, ids, logp = teacher_forced(model, sh, pad_id, progress=bar.update if bar is not None else None,
+                                               layers=layers)
+            H = model.args.hidden_size
+            _save_labels(paths[n].labels, ids, logp)  # labels and taps first: hidden present means "pass done"
+            if paths[n].taps is not None:
+                write_atomic(paths[n].taps, _npy_bytes(np.ascontiguousarray(hidden[:, H:])))
+            write_atomic(paths[n].hidden, _npy_bytes(np.ascontiguousarray(hidden[:, :H])))
         done += int(sh.offsets[-1])
     if bar is not None:
         bar.close()
@@ -189,11 +219,13 @@ def ensure(corpus: Corpus, model: Model, pad_id: int, cache_root: str | Path, na
 
 @dataclass
 class Features:
-    """A shard's stored features: hidden (C, H) float16 (memory-mapped), top_ids (C, k), top_logp (C, k)."""
+    """A shard's stored features: hidden (C, H) float16 (memory-mapped), top_ids (C, k), top_logp (C, k), and
+    where asked for, the tapped layers' states taps (C, n H) float16 (memory-mapped)."""
 
     hidden: np.ndarray
     top_ids: np.ndarray
     top_logp: np.ndarray
+    taps: np.ndarray | None = None
 
 
 def load_features(paths: FeaturePaths, shard: Shard) -> Features:
@@ -202,6 +234,7 @@ def load_features(paths: FeaturePaths, shard: Shard) -> Features:
         hidden = np.load(paths.hidden, mmap_mode="r")
         with np.load(paths.labels) as z:
             ids, logp = z["top_ids"], z["top_logp"]
+        taps = np.load(paths.taps, mmap_mode="r") if paths.taps is not None else None
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"feature files {paths.hidden} / {paths.labels} are unreadable ({type(e).__name__}): delete "
                         f"them (they are rebuilt on demand)") from None
@@ -209,4 +242,7 @@ def load_features(paths: FeaturePaths, shard: Shard) -> Features:
     if not hidden.shape[0] == ids.shape[0] == logp.shape[0] == n:
         raise UserError(f"feature file {paths.hidden} has {hidden.shape[0]} states but its shard has {n} context "
                         f"positions: delete it (it is rebuilt on demand)")
-    return Features(hidden, ids, logp)
+    if taps is not None and taps.shape != (n, len(paths.layers) * hidden.shape[1]):
+        raise UserError(f"feature file {paths.taps} holds {taps.shape} states where its shard needs "
+                        f"{(n, len(paths.layers) * hidden.shape[1])}: delete it (it is rebuilt on demand)")
+    return Features(hidden, ids, logp, taps)

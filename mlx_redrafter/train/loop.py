@@ -16,7 +16,13 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_redrafter.draft.kinds import load_any_drafter
-from mlx_redrafter.draft.redrafter import Drafter, DrafterArgs, check_compatible, save_drafter
+from mlx_redrafter.draft.redrafter import (
+    Drafter,
+    DrafterArgs,
+    check_compatible,
+    check_feature_layers,
+    save_drafter,
+)
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json
 from mlx_redrafter.models.loader import Target
@@ -53,6 +59,7 @@ class TrainConfig:
     kind: str = "redrafter"  # redrafter | medusa | semi_ar_transformer | semi_ar_lstm (see train/kinds.py)
     sources: tuple[str, ...] = ("greedy",)  # corpora trained on by default (cmd/train.py corpus_dir)
     init_from: str | None = None  # start from this drafter's weights (same shape), e.g. a first training stage
+    feature_layers: tuple[int, ...] = ()  # target layers fused into the context besides the last (EAGLE-3 style)
 
     def check(self) -> TrainConfig:
         """Itself, or a one-line UserError naming the first setting out of range (by its `redrafter-mlx train`
@@ -62,6 +69,10 @@ class TrainConfig:
                 raise UserError(f"{option} must be {field.expected()} (got None)")
             check_option(option, getattr(self, name), field)
         check_kind(self.kind)
+        if self.feature_layers:
+            check_feature_layers(list(self.feature_layers), "--feature-layers")
+            if self.kind != "redrafter":
+                raise UserError(f"--feature-layers is for the recurrent drafter (--kind redrafter), not {self.kind}")
         return self
 
 
@@ -108,7 +119,7 @@ def new_drafter(target: Target, cfg: TrainConfig, draft_vocab: np.ndarray) -> Dr
     mx.random.seed(cfg.seed)
     args = DrafterArgs(vocab_size=V, hidden_size=H, exit_dim=cfg.exit_dim, num_draft_layers=cfg.num_draft_layers,
                        rnn=True, draft_vocab_size=len(draft_vocab))
-    d = Drafter(args)
+    d = with_feature_layers(Drafter(args), cfg.feature_layers)
     d.draft_vocab = mx.array(draft_vocab, dtype=mx.int32)
     if cfg.init_from_target and cfg.exit_dim == H:
         d.input_proj.weight = mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1)
@@ -121,6 +132,45 @@ def new_drafter(target: Target, cfg: TrainConfig, draft_vocab: np.ndarray) -> Dr
     d.draft_vocab = d.draft_vocab.astype(mx.int32)
     mx.eval(d.parameters())
     return d
+
+
+def with_feature_layers(drafter: Drafter, layers: tuple[int, ...]) -> Drafter:
+    """`drafter`, reading target `layers` besides the last where it read the last alone: a `fuse` projection of
+    [last state ; tapped states] to its context that starts as [I, 0, ..., 0], so that it drafts what it did until
+    training moves it. A drafter that already fuses layers must fuse these (UserError otherwise)."""
+    have = tuple(drafter.args.feature_layers or ())
+    if not layers or have == tuple(layers):
+        return drafter
+    if have:
+        raise UserError(f"the drafter reads target layers {list(have)}, not {list(layers)}: leave --feature-layers "
+                        f"out to train it on its own, or start from a drafter that reads the last layer alone")
+    H = drafter.args.hidden_size
+    drafter.args.feature_layers = list(layers)
+    drafter.fuse = nn.Linear(H * (1 + len(layers)), H, bias=False)
+    drafter.fuse.weight = mx.concatenate([mx.eye(H), mx.zeros((H, H * len(layers)))], axis=1)
+    return drafter
+
+
+def planned_layers(cfg: TrainConfig, run_dir: str | Path, resume: bool) -> tuple[int, ...]:
+    """The target layers the drafter `train_drafter` trains will fuse (the features must hold them): those of the
+    checkpoint it resumes, else `cfg.feature_layers`, else those of the `init_from` drafter."""
+    asked = tuple(cfg.feature_layers)
+    ckpt = Path(run_dir) / "checkpoint" / "config.json"
+    if resume and ckpt.with_name("trainer_state.json").exists() and ckpt.exists():
+        has = tuple(read_json(ckpt, "drafter config").get("feature_layers") or ())
+        if asked and asked != has:
+            raise UserError(f"{ckpt.parent} holds a drafter that reads target layers {list(has) or 'none'} besides "
+                            f"the last, not {list(asked)}: leave --feature-layers out to resume it, or use another "
+                            f"--run-dir (or --restart)")
+        return has
+    if not cfg.init_from:
+        return asked
+    has = tuple(read_json(Path(cfg.init_from) / "config.json", "drafter config").get("feature_layers") or ())
+    if asked and has and asked != has:
+        raise UserError(f"--init-from {cfg.init_from} reads target layers {list(has)}, not {list(asked)}: leave "
+                        f"--feature-layers out to train it on its own, or start from a drafter that reads the last "
+                        f"layer alone")
+    return asked or has
 
 
 def head_lut(drafter: Drafter, vocab_size: int) -> np.ndarray:
@@ -179,15 +229,6 @@ def _save_checkpoint(run_dir: Path, drafter: Drafter, opt: optim.Optimizer, step
             shutil.rmtree(old, ignore_errors=True)
 
 
-def check_trainable(config: dict, where: str) -> None:
-    """One-line error for a drafter config this trainer cannot train: one that fuses tapped target layers (its
-    features hold only the last layer's state)."""
-    if config.get("feature_layers"):
-        raise UserError(f"{where} reads target layers {config['feature_layers']} besides the last, and this trainer's "
-                        f"features hold only the last layer's: train it with bench/torch_ref/cuda_job.py "
-                        f"(docs/drafters.md), or start from a drafter without feature_layers")
-
-
 def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: str | Path,
                   cfg: TrainConfig | None = None, *, resume: bool = True, progress: bool = True,
                   log: Callable[[str], None] = print) -> tuple[Drafter, dict]:
@@ -220,11 +261,20 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     elif cfg.init_from:
         drafter = load_any_drafter(cfg.init_from)
         check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, cfg.init_from)
+        if cfg.feature_layers and kind_of(drafter) != "redrafter":
+            raise UserError(f"--feature-layers is for recurrent drafters, and {cfg.init_from} holds a "
+                            f"{kind_of(drafter)} drafter")
+        if kind_of(drafter) == "redrafter":
+            drafter = with_feature_layers(drafter, cfg.feature_layers)
         log(f"starting from the weights of {cfg.init_from}")
     else:
         vocab = draft_vocabulary(train, cfg.draft_vocab_size, margs.vocab_size, target.tokenizer.eos_ids)
         drafter = new_drafter(target, cfg, vocab)
-    check_trainable(drafter.args.to_dict(), "the drafter")
+    reads = tuple(getattr(drafter.args, "feature_layers", None) or ())
+    check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, "being trained", margs.num_hidden_layers)
+    if reads != train.layers or reads != heldout.layers:
+        raise UserError(f"the drafter reads target layers {list(reads) or 'none'} besides the last, but the features "
+                        f"hold {list(train.layers) or 'none'}: prepare them for its layers (planned_layers)")
     if drafter.args.draft_vocab_size:
         drafter.freeze(keys=["draft_vocab"])
     if cfg.freeze_head:
@@ -298,5 +348,7 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
                "train_sequences": train.sequences, "train_contexts": len(train),
                "heldout_sequences": heldout.sequences, "head_coverage": round(coverage, 4),
                "params": drafter.num_params(), "history": history,
+               "shape": {k: getattr(drafter.args, k, None) for k in ("exit_dim", "num_draft_layers",
+                                                                     "draft_vocab_size", "feature_layers")},
                "final": history[-1] if history else evaluate(drafter, embed, heldout, lut, T)}
     return drafter, summary

@@ -5,20 +5,23 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_redrafter.draft.beam_search import context_of
 from mlx_redrafter.train.data import Batch
 
 
 def teacher_forced_logits(drafter, h: mx.array, emb_in: mx.array) -> mx.array:
-    """Head logits (B, T, K) for contexts h (B, H) and input embeddings (B, T, H).
+    """Head logits (B, T, K) for the target's states h (B, H; with the tapped layers' for a drafter that fuses
+    some, B, H (1 + n)) and input embeddings (B, T, H).
 
-    The recurrent drafter unrolls its RNN exactly as beam search does at inference (state 0, then one update
-    per consumed token); drafters with their own `teacher_forced_logits` method (e.g. Medusa, semi-AR) use it.
+    The recurrent drafter unrolls its RNN exactly as beam search does at inference (its context from h, state 0,
+    then one update per consumed token); drafters with their own `teacher_forced_logits` method (e.g. Medusa,
+    semi-AR) use it.
     """
     own = getattr(drafter, "teacher_forced_logits", None)
     if own is not None:
         return own(h, emb_in)
     S = recurrent_states(drafter, emb_in, h.dtype)
-    return drafter.logits(mx.broadcast_to(h[:, None, :], S.shape), S)
+    return drafter.logits(mx.broadcast_to(context_of(drafter, h)[:, None, :], S.shape), S)
 
 
 def recurrent_states(drafter, emb_in: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:

@@ -44,16 +44,18 @@ def open_corpus(root: str | Path, vocab_size: int | None = None) -> Corpus:
 
 def prepare(target: Target, corpora: list[str | Path], features_root: str | Path, max_tokens: int | None = None,
             heldout: str | Path | None = None, log: Callable[[str], None] = print, shards: list[int] | None = None,
-            ) -> tuple[Examples, Examples, dict]:
+            layers: tuple[int, ...] = ()) -> tuple[Examples, Examples, dict]:
     """Training examples from the train shards of `corpora` (only the plan indices `shards` when given; at most
     `max_tokens` response tokens of each) and held-out examples from the held-out shard of `heldout` (default: the
-    first corpus); features are built on demand. Returns both and what was used."""
+    first corpus); features (with the states of target `layers` for a drafter that fuses them) are built on demand.
+    Returns both and what was used."""
     features_root = Path(features_root)
     parts, used_shards = [], {}
     for root in corpora:
         corpus = open_corpus(root, target.model.args.vocab_size)
         names = pick_shards(corpus, max_tokens, shards)
-        paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], features_root / corpus.name, names, log=log)
+        paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], features_root / corpus.name, names, log=log,
+                       layers=layers)
         parts.append((corpus, paths, names))
         used_shards[corpus.name] = len(names)
     if not any(names for _, _, names in parts):
@@ -61,7 +63,7 @@ def prepare(target: Target, corpora: list[str | Path], features_root: str | Path
             raise UserError(f"{', '.join(map(str, corpora))}: no training shard has a plan index in --shards: "
                             f"list the shard numbers of data/corpus/<model>/shard-NNNNN.npz (e.g. --shards 1-9)")
         raise UserError(f"{', '.join(map(str, corpora))}: no training shards: run `make distill` first")
-    ho, ho_what = heldout_examples(target, heldout if heldout is not None else corpora[0], features_root, log)
+    ho, ho_what = heldout_examples(target, heldout if heldout is not None else corpora[0], features_root, log, layers)
     tr = load_examples(parts)
     used = {"corpora": {name: {"train_shards": n, "response_tokens": tr.by_corpus.get(name, 0)}
                         for name, n in used_shards.items()},
@@ -70,14 +72,15 @@ def prepare(target: Target, corpora: list[str | Path], features_root: str | Path
 
 
 def heldout_examples(target: Target, root: str | Path, features_root: str | Path,
-                     log: Callable[[str], None] = print) -> tuple[Examples, str]:
-    """Examples of a corpus' held-out shard (features built on demand) and a line saying which they are."""
+                     log: Callable[[str], None] = print, layers: tuple[int, ...] = ()) -> tuple[Examples, str]:
+    """Examples of a corpus' held-out shard (features, with target `layers`, built on demand) and a line saying
+    which they are."""
     corpus = open_corpus(root, target.model.args.vocab_size)
     names = [p.name for p in corpus.shards("heldout")]
     if not names:
         raise UserError(f"corpus {corpus.root} has no held-out shard (shard-00000): run `make distill`")
     paths = ensure(corpus, target.model, target.tokenizer.eos_ids[0], Path(features_root) / corpus.name, names,
-                   log=log)
+                   log=log, layers=layers)
     return load_examples([(corpus, paths, names)]), f"{corpus.root}: {', '.join(names)}"
 
 
@@ -96,15 +99,20 @@ def model_card(model_name: str, cfg: TrainConfig, summary: dict, used: dict, tim
     """MODEL_CARD.md from what this run actually did (evaluation sections are appended by the caller)."""
     final = summary.get("final", {})
     tlm = "rnn" if cfg.kind == "redrafter" else cfg.kind
+    shape = {"exit_dim": cfg.exit_dim, "num_draft_layers": cfg.num_draft_layers,
+             "draft_vocab_size": cfg.draft_vocab_size, **summary.get("shape", {})}
+    layers = shape.get("feature_layers")
+    fused = f", context fusing target layers {', '.join(map(str, layers))} with the last" if layers else ""
+    start = f", starting from the weights of `{cfg.init_from}`" if cfg.init_from else ""
     corpora = "; ".join(f"`{name}` {u['response_tokens']:,} response tokens in {u['train_shards']} shards"
                         for name, u in used["corpora"].items())
     return f"""# {KIND_TITLES[cfg.kind]} drafter for {model_name}
 
 Trained here by self-distillation with `redrafter-mlx train` (`make train`).
 
-- Shape: exit_dim {cfg.exit_dim}, {cfg.num_draft_layers} ResBlocks, {tlm}, head over the {cfg.draft_vocab_size} most
-  frequent tokens of the training data (covers {summary.get('head_coverage')} of them); {summary.get('params')}
-  parameters.
+- Shape: exit_dim {shape['exit_dim']}, {shape['num_draft_layers']} ResBlocks, {tlm}, head over the
+  {shape['draft_vocab_size']} most frequent tokens of the training data (covers {summary.get('head_coverage')} of
+  them){fused}; {summary.get('params')} parameters{start}.
 - Data: {used['train_sequences']} training sequences ({used['train_response_tokens']} response tokens):
   {corpora}; held out: {used['heldout']}.
 - Training: {cfg.steps} steps x {cfg.batch_size} context positions x {cfg.draft_len} draft steps, {cfg.labels} labels,
