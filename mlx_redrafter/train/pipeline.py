@@ -110,9 +110,9 @@ def model_card(model_name: str, cfg: TrainConfig, summary: dict, used: dict, tim
 
 Trained here by self-distillation with `redrafter-mlx train` (`make train`).
 
-- Shape: exit_dim {shape['exit_dim']}, {shape['num_draft_layers']} ResBlocks, {tlm}, head over the
-  {shape['draft_vocab_size']} most frequent tokens of the training data (covers {summary.get('head_coverage')} of
-  them){fused}; {summary.get('params')} parameters{start}.
+- Shape: exit_dim {shape['exit_dim']}, {shape['num_draft_layers']} ResBlocks, {tlm}, head over
+  {shape['draft_vocab_size']} frequent tokens (covering {summary.get('head_coverage')} of the target's decisions in
+  the training data){fused}; {summary.get('params')} parameters{start}.
 - Data: {used['train_sequences']} training sequences ({used['train_response_tokens']} response tokens):
   {corpora}; held out: {used['heldout']}.
 - Training: {cfg.steps} steps x {cfg.batch_size} context positions x {cfg.draft_len} draft steps, {cfg.labels} labels,
