@@ -143,6 +143,35 @@ def test_strided_features_keep_every_label_and_the_states_of_every_nth_position(
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_feature_pass_past_its_deadline_keeps_the_sequences_it_finished(hf, chat_ids):
+    """Past the deadline the pass starts no new run of sequences: the features hold the first runs' sequences, equal
+    to what a pass without a deadline computes for them (at least one run, whatever the deadline)."""
+    from bench.torch_ref.cuda_job import Features
+
+    seqs = [(np.array(chat_ids[k][:12 + k]), 5) for k in range(1, 7)]
+    full = Features(hf, seqs, "cpu", taps=(2,), stride=2)
+    cut = Features(hf, seqs, "cpu", taps=(2,), stride=2, deadline=0.0, chunks=3)
+    assert cut.sequences == 2 and full.sequences == 6 and cut.starts_of(6) == cut.starts_of(2) == len(cut)
+    assert len(cut) == full.starts_of(2) and cut.response_tokens == sum(len(s) - 5 for s, _ in seqs[:2])
+    lut = torch.arange(hf.config.vocab_size)
+    a = full.batch(torch.arange(len(cut)), 3, lut)
+    b = cut.batch(torch.arange(len(cut)), 3, lut)
+    for k in a:  # other batches, other padding: float16 states equal to their rounding
+        assert (torch.allclose(a[k], b[k], atol=2e-2, rtol=1e-2) if a[k].is_floating_point()
+                else torch.equal(a[k], b[k])), k
+
+
+def test_the_feature_stride_rises_until_the_features_fit_the_gpu():
+    from bench.torch_ref.cuda_job import FEATURE_RESERVE, fitting_stride
+
+    per_start = 2 * 576 * 4  # float16 states of the last layer and three tapped ones
+    free = FEATURE_RESERVE + 64 * 1000 + per_start * 500
+    assert fitting_stride(1000, 3, 576, free) == 2 and fitting_stride(1000, 3, 576, free, stride=3) == 3
+    assert fitting_stride(400, 3, 576, free) == 1
+    with pytest.raises(SystemExit):
+        fitting_stride(1000, 3, 576, FEATURE_RESERVE)
+
+
 def test_land_writes_plan_shards_that_name_their_engine(target, tmp_path):
     from bench.torch_ref.cuda_job import GEN_ENGINE, _save_sequences, land, prepare
     from mlx_redrafter.train.corpus import Corpus

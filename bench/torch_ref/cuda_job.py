@@ -534,13 +534,16 @@ class Features:
     ends at p), x_p's index into `tokens` and one past the end of p's sequence; and the hidden states h_p (float16;
     with `taps`, those layers' too) of the positions a draft may start from: every `stride`-th of a sequence, so
     that a corpus too large for the GPU's memory keeps all its sequences (~4.6 KB a start with three taps, 64 bytes
-    a position). All on the GPU; `len` and `batch` count starts."""
+    a position). All on the GPU; `len` and `batch` count starts. With a `deadline` (a `time.perf_counter` value),
+    the sequences are computed in `chunks` runs of consecutive ones, and once a run ends past the deadline the
+    features keep the sequences done (at least one run): put the sequences that matter most first, in random
+    order."""
 
     def __init__(self, model: Any, seqs: list[tuple[np.ndarray, int]], device: str, max_tokens: int = 65536,
-                 taps: tuple[int, ...] = (), stride: int = 1):
+                 taps: tuple[int, ...] = (), stride: int = 1, deadline: float | None = None, chunks: int = 40):
         import torch
 
-        from bench.torch_ref.target import layer_outputs, rms_normalized
+        from bench.torch_ref.target import layer_outputs
 
         lens = [len(s) for s, _ in seqs]
         starts = np.cumsum([0] + lens)
@@ -561,41 +564,66 @@ class Features:
         self.seq_end = torch.empty(C, dtype=torch.long, device=device)
         self.taps = taps
         self.tap_hidden = torch.empty((S, len(taps), H), dtype=torch.float16, device=device) if taps else None
+        done = len(seqs)
+        bounds = np.unique(np.linspace(0, len(seqs), chunks + 1).astype(int)) if deadline is not None else [0, done]
+        parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         with torch.no_grad(), layer_outputs(model, taps) as caught:
-            for part in _batches(lens, 512, max_tokens):
-                n = max(lens[i] for i in part)
-                ids = torch.full((len(part), n), 0, dtype=torch.long, device=device)
-                am = torch.zeros((len(part), n), dtype=torch.long, device=device)
-                for b, i in enumerate(part):  # right padding: positions 0..n-1, causal attention never sees pads
-                    ids[b, : lens[i]] = self.tokens[starts[i]:starts[i] + lens[i]]
-                    am[b, : lens[i]] = 1
-                h = model.model(input_ids=ids, attention_mask=am).last_hidden_state  # post-norm
-                for b, i in enumerate(part):
-                    P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
-                    s0, s1 = int(sstart[i]), int(sstart[i + 1])
-                    hp = h[b, P - 1 : lens[i] - 1]
-                    self.hidden[s0:s1] = hp[::stride].half()
-                    for j, layer in enumerate(taps):
-                        tapped = caught[layer][b, P - 1 : lens[i] - 1][::stride]
-                        self.tap_hidden[s0:s1, j] = rms_normalized(tapped).half()
-                    for r0 in range(0, len(hp), 8192):
-                        logits = model.lm_head(hp[r0 : r0 + 8192]).float()
-                        v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
-                        self.top_ids[c0 + r0 : c0 + r0 + len(k)] = k.int()
-                        self.top_logp[c0 + r0 : c0 + r0 + len(k)] = v.half()
-                    self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
-                                                         device=device)
-                    self.seq_end[c0:c1] = int(starts[i + 1])
-        self.sequences = len(seqs)
-        self.seq_starts = sstart
-        self.response_tokens = int(sum(ctx_counts))
+            for a, b in parts:
+                if deadline is not None and a > 0 and time.perf_counter() > deadline:
+                    done = a
+                    break
+                self._compute(model, seqs, lens, starts, cstart, sstart, device, max_tokens, taps, stride, caught,
+                              a, b)
+        self.sequences = done
+        self.seq_starts = sstart[: done + 1]
+        self.response_tokens = int(sum(ctx_counts[:done]))
+        if done < len(seqs):  # views of the prefix: the positions of the sequences done
+            S_done, C_done = int(sstart[done]), int(cstart[done])
+            self.start, self.hidden = self.start[:S_done], self.hidden[:S_done]
+            self.tap_hidden = self.tap_hidden[:S_done] if taps else None
+            self.top_ids, self.top_logp = self.top_ids[:C_done], self.top_logp[:C_done]
+            self.tok_index, self.seq_end = self.tok_index[:C_done], self.seq_end[:C_done]
+
+    def _compute(self, model: Any, seqs: list[tuple[np.ndarray, int]], lens: list[int], starts: Any, cstart: Any,
+                 sstart: Any, device: str, max_tokens: int, taps: tuple[int, ...], stride: int, caught: dict,
+                 first: int, end: int) -> None:
+        """The features of sequences first..end-1."""
+        import torch
+
+        from bench.torch_ref.target import rms_normalized
+
+        for part in _batches(lens[first:end], 512, max_tokens):
+            part = [first + i for i in part]
+            n = max(lens[i] for i in part)
+            ids = torch.full((len(part), n), 0, dtype=torch.long, device=device)
+            am = torch.zeros((len(part), n), dtype=torch.long, device=device)
+            for b, i in enumerate(part):  # right padding: positions 0..n-1, causal attention never sees pads
+                ids[b, : lens[i]] = self.tokens[starts[i]:starts[i] + lens[i]]
+                am[b, : lens[i]] = 1
+            h = model.model(input_ids=ids, attention_mask=am).last_hidden_state  # post-norm
+            for b, i in enumerate(part):
+                P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
+                s0, s1 = int(sstart[i]), int(sstart[i + 1])
+                hp = h[b, P - 1 : lens[i] - 1]
+                self.hidden[s0:s1] = hp[::stride].half()
+                for j, layer in enumerate(taps):
+                    tapped = caught[layer][b, P - 1 : lens[i] - 1][::stride]
+                    self.tap_hidden[s0:s1, j] = rms_normalized(tapped).half()
+                for r0 in range(0, len(hp), 8192):
+                    logits = model.lm_head(hp[r0 : r0 + 8192]).float()
+                    v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
+                    self.top_ids[c0 + r0 : c0 + r0 + len(k)] = k.int()
+                    self.top_logp[c0 + r0 : c0 + r0 + len(k)] = v.half()
+                self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
+                                                     device=device)
+                self.seq_end[c0:c1] = int(starts[i + 1])
 
     def __len__(self) -> int:
         return int(self.start.shape[0])
 
     def starts_of(self, sequences: int) -> int:
-        """Starts of the first `sequences` sequences (they come first in every index)."""
-        return int(self.seq_starts[sequences])
+        """Starts of the first `sequences` sequences (they come first in every index; at most those done)."""
+        return int(self.seq_starts[min(sequences, self.sequences)])
 
     def batch(self, starts: Any, T: int, lut: Any) -> dict[str, Any]:
         """make_batch of train/data.py for the drafts that start at `starts` (indices of starts, on the GPU)."""
@@ -615,6 +643,21 @@ class Features:
         taps = self.tap_hidden[starts].float() if self.taps else None
         return {"h": self.hidden[starts].float(), "taps": taps, "x": x, "target": head.clamp(min=0),
                 "weight": w.float(), "valid": valid.float(), "soft_index": k_head.clamp(min=0), "soft_prob": p}
+
+
+FEATURE_RESERVE = 8 << 30  # GPU bytes kept free beside the features: the feature pass's batches, then training
+
+
+def fitting_stride(contexts: int, taps: int, hidden: int, free_bytes: int, stride: int = 1) -> int:
+    """The smallest position stride >= `stride` at which the features of `contexts` context positions fit in
+    `free_bytes` beside FEATURE_RESERVE: every position's labels and indices (64 bytes), and the float16 states
+    (the last and `taps` tapped layers') of every stride-th one."""
+    room = free_bytes - FEATURE_RESERVE - 64 * contexts
+    per_start = 2 * hidden * (1 + taps)
+    if room <= per_start:
+        _fail(f"the features of {contexts:,} context positions do not fit the GPU's {free_bytes / 2**30:.0f} GiB "
+              f"free: train on fewer (--max-positions)")
+    return max(stride, -(-contexts * per_start // room))
 
 
 def context_of(drafter: Any, b: dict[str, Any], taps: tuple[int, ...]) -> Any:
@@ -844,12 +887,15 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
         slots: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
         variants: tuple[str, ...] = ("soft-fuse3",), init: Path | None = None, parity: bool = True,
         gguf_dir: Path | None = None, train_too: bool = True, max_positions: int | None = None,
-        feature_tf32: bool = False, position_stride: int = 1) -> None:
+        feature_tf32: bool = False, position_stride: int = 1, feature_share: float = 0.5) -> None:
     """Parity, generation, features and training (unless not `train_too`) within `budget_s` seconds; results in
     `out`. `max_positions`: train on a random subset of the corpus' sequences with at most that many context
     positions (each takes ~4.7 KB of GPU memory with three tapped layers: ~15M fit an 80 GB GPU); `feature_tf32`:
     the feature pass multiplies in TF32 (faster; states and labels then differ from float32 ones by ~1e-3);
-    `position_stride`: drafts start from every that-many-th position of a sequence only (`Features`)."""
+    `position_stride`: drafts start from every that-many-th position of a sequence only (`Features`), raised where
+    the features would not fit the GPU's memory (`fitting_stride`); the feature pass stops starting new sequences
+    `feature_share` of the budget after the start (the greedy sequences go first, in random order, then the fixed
+    text), so that training keeps the rest."""
     import torch
 
     t0 = time.perf_counter()
@@ -938,13 +984,26 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
         if not spec.get("text_corpus"):
             _fail("a variant trains on fixed text but the job names no text corpus: run prepare again")
         text = corpus_sequences(Path(spec["text_corpus"]), limit)["train"]
-    greedy_contexts = sum(len(s) - P for s, P in seqs["train"] + new)
+    answers = seqs["train"] + new
+    rng = np.random.default_rng(0)
+    answers, text = [answers[i] for i in rng.permutation(len(answers))], [text[i] for i in rng.permutation(len(text))]
     start = start_config(Path(spec["drafter"]), init).get("feature_layers") or []
     taps = tuple(sorted({layer for v in variants for layer in VARIANTS[v].taps} | set(start)))
-    train_f = Features(model, seqs["train"] + new + text, device, taps=taps, stride=position_stride)
+    contexts = sum(len(s) - P for s, P in answers + text)
+    if device == "cuda":
+        stride = fitting_stride(contexts, len(taps), model.config.hidden_size, torch.cuda.mem_get_info()[0],
+                                position_stride)
+        if stride != position_stride:
+            _log(f"position stride {stride} (not {position_stride}): the features of {contexts:,} positions then fit "
+                 f"the GPU's free memory", t0)
+        position_stride = stride
     held_f = Features(model, seqs["heldout"], device, taps=taps)
-    greedy_starts = train_f.starts_of(len(seqs["train"]) + len(new))
-    report["features"] = {"train_sequences": train_f.sequences, "train_starts": len(train_f),
+    train_f = Features(model, answers + text, device, taps=taps, stride=position_stride,
+                       deadline=t0 + budget_s * feature_share)
+    greedy_starts = train_f.starts_of(len(answers))
+    greedy_contexts = sum(len(s) - P for s, P in answers[: train_f.sequences])
+    report["features"] = {"train_sequences": train_f.sequences, "sequences_offered": len(answers) + len(text),
+                          "train_starts": len(train_f),
                           "position_stride": position_stride, "greedy_starts": greedy_starts,
                           "greedy_contexts": greedy_contexts, "new_sequences": len(new),
                           "text_sequences": len(text), "heldout_contexts": len(held_f), "tf32": feature_tf32,
@@ -1119,7 +1178,10 @@ def _main() -> None:
                    help="train on a random subset of the corpus with at most this many context positions")
     r.add_argument("--feature-tf32", action="store_true", help="the feature pass in TF32 (faster, ~1e-3 off)")
     r.add_argument("--position-stride", type=int, default=1,
-                   help="drafts start from every N-th position only (states of 1/N of the positions in memory)")
+                   help="drafts start from every N-th position only (states of 1/N of the positions in memory; "
+                        "raised where they would not fit)")
+    r.add_argument("--feature-share", type=float, default=0.5,
+                   help="the feature pass starts no new sequences past this share of the budget")
     m = sub.add_parser("land")
     m.add_argument("result", type=Path)
     m.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
@@ -1131,6 +1193,8 @@ def _main() -> None:
     if a.cmd == "run":
         if a.position_stride < 1 or (a.max_positions is not None and a.max_positions < 1):
             _fail("--position-stride and --max-positions take a number >= 1")
+        if not 0 < a.feature_share <= 1:
+            _fail("--feature-share takes a share of the budget, more than 0 and at most 1")
         unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
         if unknown:
             _fail(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
@@ -1140,7 +1204,7 @@ def _main() -> None:
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.slots, a.batch, a.lr, a.gen_share,
             tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir, not a.generate_only,
-            a.max_positions, a.feature_tf32, a.position_stride)
+            a.max_positions, a.feature_tf32, a.position_stride, a.feature_share)
     elif a.cmd == "parity":
         parity(a.result, a.job)
     else:
