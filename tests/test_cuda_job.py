@@ -164,7 +164,7 @@ def test_a_feature_pass_past_its_deadline_keeps_the_sequences_it_finished(hf, ch
 def test_the_feature_stride_rises_until_the_features_fit_the_gpu():
     from bench.torch_ref.cuda_job import FEATURE_RESERVE, fitting_stride
 
-    per_start = 2 * 576 * 4  # float16 states of the last layer and three tapped ones
+    per_start = 2 * 576 * 4 + 8  # float16 states of the last layer and three tapped ones, and the start's index
     free = FEATURE_RESERVE + 64 * 1000 + per_start * 500
     assert fitting_stride(1000, 3, 576, free) == 2 and fitting_stride(1000, 3, 576, free, stride=3) == 3
     assert fitting_stride(400, 3, 576, free) == 1

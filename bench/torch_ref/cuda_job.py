@@ -651,9 +651,9 @@ FEATURE_RESERVE = 8 << 30  # GPU bytes kept free beside the features: the featur
 def fitting_stride(contexts: int, taps: int, hidden: int, free_bytes: int, stride: int = 1) -> int:
     """The smallest position stride >= `stride` at which the features of `contexts` context positions fit in
     `free_bytes` beside FEATURE_RESERVE: every position's labels and indices (64 bytes), and the float16 states
-    (the last and `taps` tapped layers') of every stride-th one."""
+    (the last and `taps` tapped layers') and index of every stride-th one."""
     room = free_bytes - FEATURE_RESERVE - 64 * contexts
-    per_start = 2 * hidden * (1 + taps)
+    per_start = 2 * hidden * (1 + taps) + 8
     if room <= per_start:
         _fail(f"the features of {contexts:,} context positions do not fit the GPU's {free_bytes / 2**30:.0f} GiB "
               f"free: train on fewer (--max-positions)")
