@@ -174,6 +174,13 @@ def test_the_cpu_trainer_trains_a_fused_drafter_on_features_with_its_layers(fuse
         arr = np.load(f).astype(np.float64).reshape(-1, len(LAYERS), 576)
         last = np.load(str(f).replace(".taps-2-15-24", ""))
         assert arr.shape[0] == last.shape[0] == 16 and np.allclose((arr**2).mean(-1), 1.0, atol=2e-2)
+    from mlx_redrafter.draft.medusa import random_medusa
+
+    medusa = tmp_path / "medusa"
+    save_drafter(random_medusa(576, 49152, seed=1, draft_vocab_size=512), medusa)
+    proc = run(train(tmp_path, "-o", str(tmp_path / "other"), "--init-from", str(medusa), "--feature-layers", "2",
+                     "--restart"), tmp_path)
+    assert_one_line_error(proc, "for recurrent drafters")
     for args in (["--init-from", str(folder), "--feature-layers", "3,4", "--restart"],  # not the start's layers
                  ["--feature-layers", "3,4"],  # not the checkpoint's
                  ["--feature-layers", "2,30", "--restart"]):  # the target has layers 0-29

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_redrafter.draft.kinds import load_any_drafter
 from mlx_redrafter.draft.redrafter import (
+    MODEL_TYPE,
     Drafter,
     DrafterArgs,
     check_compatible,
@@ -165,7 +166,11 @@ def planned_layers(cfg: TrainConfig, run_dir: str | Path, resume: bool) -> tuple
         return has
     if not cfg.init_from:
         return asked
-    has = tuple(read_json(Path(cfg.init_from) / "config.json", "drafter config").get("feature_layers") or ())
+    start = read_json(Path(cfg.init_from) / "config.json", "drafter config")
+    if asked and start.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise UserError(f"--feature-layers is for recurrent drafters, and --init-from {cfg.init_from} holds a "
+                        f"{start.get('model_type')} drafter: leave --feature-layers out")
+    has = tuple(start.get("feature_layers") or ())
     if asked and has and asked != has:
         raise UserError(f"--init-from {cfg.init_from} reads target layers {list(has)}, not {list(asked)}: leave "
                         f"--feature-layers out to train it on its own, or start from a drafter that reads the last "
