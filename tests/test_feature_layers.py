@@ -169,7 +169,8 @@ def test_the_cpu_trainer_trains_a_fused_drafter_on_features_with_its_layers(fuse
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load_drafter(out).args.feature_layers == LAYERS
     taps = sorted((tmp_path / "feat").rglob("*.taps-2-15-24.npy"))
-    assert len(taps) == 3  # the held-out shard and both train shards
+    assert len(taps) == 2  # the held-out shard and the train shard the steps read (2 x 8 positions)
+    assert "training on the first 16 response tokens" in proc.stderr
     for f in taps:
         arr = np.load(f).astype(np.float64).reshape(-1, len(LAYERS), 576)
         last = np.load(str(f).replace(".taps-2-15-24", ""))

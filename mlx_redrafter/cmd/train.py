@@ -183,7 +183,8 @@ def train(
                                         "runs/drafter-KIND]."),
     kind: str = typer.Option(TrainConfig.kind, "--kind", help="Drafter kind: redrafter, medusa, semi_ar_transformer "
                              "or semi_ar_lstm (same data, loss and budget)."),
-    corpus_tokens: int | None = typer.Option(None, help="Train on each corpus' first N response tokens only."),
+    corpus_tokens: int | None = typer.Option(None, help="Train on each corpus' first N response tokens only "
+                                             "[with no --shards: STEPS x BATCH, what the run's steps read once]."),
     shards: str | None = typer.Option(None, help="Train only on the shards with these plan indices, e.g. 10-32 "
                                       "(shard-NNNNN.npz; the held-out shard measures the run either way) [all]."),
     steps: int = typer.Option(TrainConfig.steps, help="Optimizer steps."),
@@ -257,6 +258,10 @@ def train(
     corpora = corpus or [corpus_dir(DEFAULT_CORPUS, target.name, s) for s in cfg.sources]
     t0 = time.perf_counter()
     typer.echo("step 1/3: features", err=True)
+    if corpus_tokens is None and only is None:  # features only for what the steps can read
+        corpus_tokens = steps * batch
+        typer.echo(f"training on the first {corpus_tokens:,} response tokens of each corpus (--steps x --batch: "
+                   f"one pass; --corpus-tokens or --shards to choose)", err=True)
     tr, ho, used = prepare(target, corpora, features, corpus_tokens,
                            heldout=heldout or corpora[0],
                            log=lambda m: typer.echo(m, err=True), shards=only, layers=layers)
