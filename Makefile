@@ -86,10 +86,9 @@ features: $(STAMP)  ## teacher-forced features (hidden states + top-k labels) of
 	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) $(FEATURES_ARGS) & \
 	done; wait
 
-data: $(STAMP)  ## the background data job: features, then the target's own answers (WORKERS=2 on 2 cores)
+data: $(STAMP)  ## the background data job: more of the target's own answers (WORKERS=2 on 2 cores; features: make features)
 	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \
-	  ( MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx features --worker $$i/$(WORKERS) $(FEATURES_ARGS) && \
-	    MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(WORKERS) $(DISTILL_ARGS) ) & \
+	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --worker $$i/$(WORKERS) $(DISTILL_ARGS) & \
 	done; wait
 
 train: $(STAMP)  ## train the drafter recipe on the committed corpus -> runs/drafter/drafter (features rebuilt on demand; TRAIN_ARGS)
