@@ -543,7 +543,7 @@ class Features:
                  taps: tuple[int, ...] = (), stride: int = 1, deadline: float | None = None, chunks: int = 40):
         import torch
 
-        from bench.torch_ref.target import layer_outputs
+        from bench.torch_ref.target import layer_outputs, rms_normalized
 
         lens = [len(s) for s, _ in seqs]
         starts = np.cumsum([0] + lens)
@@ -564,16 +564,41 @@ class Features:
         self.seq_end = torch.empty(C, dtype=torch.long, device=device)
         self.taps = taps
         self.tap_hidden = torch.empty((S, len(taps), H), dtype=torch.float16, device=device) if taps else None
+        def compute(first: int, end: int) -> None:  # the features of sequences first..end-1
+            for part in _batches(lens[first:end], 512, max_tokens):
+                part = [first + i for i in part]
+                n = max(lens[i] for i in part)
+                ids = torch.full((len(part), n), 0, dtype=torch.long, device=device)
+                am = torch.zeros((len(part), n), dtype=torch.long, device=device)
+                for b, i in enumerate(part):  # right padding: positions 0..n-1, causal attention never sees pads
+                    ids[b, : lens[i]] = self.tokens[starts[i]:starts[i] + lens[i]]
+                    am[b, : lens[i]] = 1
+                h = model.model(input_ids=ids, attention_mask=am).last_hidden_state  # post-norm
+                for b, i in enumerate(part):
+                    P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
+                    s0, s1 = int(sstart[i]), int(sstart[i + 1])
+                    hp = h[b, P - 1 : lens[i] - 1]
+                    self.hidden[s0:s1] = hp[::stride].half()
+                    for j, layer in enumerate(taps):
+                        tapped = caught[layer][b, P - 1 : lens[i] - 1][::stride]
+                        self.tap_hidden[s0:s1, j] = rms_normalized(tapped).half()
+                    for r0 in range(0, len(hp), 8192):
+                        logits = model.lm_head(hp[r0 : r0 + 8192]).float()
+                        v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
+                        self.top_ids[c0 + r0 : c0 + r0 + len(k)] = k.int()
+                        self.top_logp[c0 + r0 : c0 + r0 + len(k)] = v.half()
+                    self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
+                                                         device=device)
+                    self.seq_end[c0:c1] = int(starts[i + 1])
+
         done = len(seqs)
-        bounds = np.unique(np.linspace(0, len(seqs), chunks + 1).astype(int)) if deadline is not None else [0, done]
-        parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        bounds = np.unique(np.linspace(0, done, chunks + 1).astype(int)) if deadline is not None else [0, done]
         with torch.no_grad(), layer_outputs(model, taps) as caught:
-            for a, b in parts:
+            for a, b in zip(bounds[:-1], bounds[1:]):
                 if deadline is not None and a > 0 and time.perf_counter() > deadline:
-                    done = a
+                    done = int(a)
                     break
-                self._compute(model, seqs, lens, starts, cstart, sstart, device, max_tokens, taps, stride, caught,
-                              a, b)
+                compute(int(a), int(b))
         self.sequences = done
         self.seq_starts = sstart[: done + 1]
         self.response_tokens = int(sum(ctx_counts[:done]))
@@ -583,40 +608,6 @@ class Features:
             self.tap_hidden = self.tap_hidden[:S_done] if taps else None
             self.top_ids, self.top_logp = self.top_ids[:C_done], self.top_logp[:C_done]
             self.tok_index, self.seq_end = self.tok_index[:C_done], self.seq_end[:C_done]
-
-    def _compute(self, model: Any, seqs: list[tuple[np.ndarray, int]], lens: list[int], starts: Any, cstart: Any,
-                 sstart: Any, device: str, max_tokens: int, taps: tuple[int, ...], stride: int, caught: dict,
-                 first: int, end: int) -> None:
-        """The features of sequences first..end-1."""
-        import torch
-
-        from bench.torch_ref.target import rms_normalized
-
-        for part in _batches(lens[first:end], 512, max_tokens):
-            part = [first + i for i in part]
-            n = max(lens[i] for i in part)
-            ids = torch.full((len(part), n), 0, dtype=torch.long, device=device)
-            am = torch.zeros((len(part), n), dtype=torch.long, device=device)
-            for b, i in enumerate(part):  # right padding: positions 0..n-1, causal attention never sees pads
-                ids[b, : lens[i]] = self.tokens[starts[i]:starts[i] + lens[i]]
-                am[b, : lens[i]] = 1
-            h = model.model(input_ids=ids, attention_mask=am).last_hidden_state  # post-norm
-            for b, i in enumerate(part):
-                P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
-                s0, s1 = int(sstart[i]), int(sstart[i + 1])
-                hp = h[b, P - 1 : lens[i] - 1]
-                self.hidden[s0:s1] = hp[::stride].half()
-                for j, layer in enumerate(taps):
-                    tapped = caught[layer][b, P - 1 : lens[i] - 1][::stride]
-                    self.tap_hidden[s0:s1, j] = rms_normalized(tapped).half()
-                for r0 in range(0, len(hp), 8192):
-                    logits = model.lm_head(hp[r0 : r0 + 8192]).float()
-                    v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
-                    self.top_ids[c0 + r0 : c0 + r0 + len(k)] = k.int()
-                    self.top_logp[c0 + r0 : c0 + r0 + len(k)] = v.half()
-                self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
-                                                     device=device)
-                self.seq_end[c0:c1] = int(starts[i + 1])
 
     def __len__(self) -> int:
         return int(self.start.shape[0])

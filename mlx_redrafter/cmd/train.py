@@ -127,9 +127,7 @@ def features(
     check_writable_dir(cache, "--features")
     lower_priority(nice)
     set_threads(threads)
-    layers = tuple(c.int_list(feature_layers, "--feature-layers")) if feature_layers else ()
-    if layers:
-        check_feature_layers(list(layers), "--feature-layers")
+    layers = feature_layer_list(feature_layers)
     target = load_target(model, "float32")
     check_layers_exist(layers, target)
     roots = corpus or sorted(p for p in DEFAULT_CORPUS.glob(f"{target.name}*") if (p / "manifest.json").exists())
@@ -234,7 +232,7 @@ def train(
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
                       feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
                       kind=kind, init_from=str(init_from) if init_from is not None else None,
-                      feature_layers=tuple(c.int_list(feature_layers, "--feature-layers")) if feature_layers else (),
+                      feature_layers=feature_layer_list(feature_layers),
                       ).check()
     if init_from is not None:
         from mlx_redrafter.draft.kinds import check_drafter_config
@@ -287,6 +285,14 @@ def train(
     save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
     typer.echo(f"step 3/3: saved {out}", err=True)
 
+
+
+def feature_layer_list(text: str | None) -> tuple[int, ...]:
+    """The layers `--feature-layers` names (none for an empty option); a one-line UserError for a malformed list."""
+    layers = tuple(c.int_list(text, "--feature-layers")) if text else ()
+    if layers:
+        check_feature_layers(list(layers), "--feature-layers")
+    return layers
 
 
 def check_layers_exist(layers: tuple[int, ...], target) -> None:

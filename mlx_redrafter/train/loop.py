@@ -245,6 +245,10 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     run_dir = Path(run_dir)
     ckpt = run_dir / "checkpoint"
     margs = target.model.args
+    layers = planned_layers(cfg, run_dir, resume)
+    if layers != train.layers or layers != heldout.layers:
+        raise UserError(f"the drafter reads target layers {list(layers) or 'none'} besides the last, but the features "
+                        f"hold {list(train.layers) or 'none'}: prepare them for its layers (planned_layers)")
     T = cfg.draft_len
     opt = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
     start, history = 0, []
@@ -267,20 +271,13 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     elif cfg.init_from:
         drafter = load_any_drafter(cfg.init_from)
         check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, cfg.init_from)
-        if cfg.feature_layers and kind_of(drafter) != "redrafter":
-            raise UserError(f"--feature-layers is for recurrent drafters, and {cfg.init_from} holds a "
-                            f"{kind_of(drafter)} drafter")
-        if kind_of(drafter) == "redrafter":
+        if kind_of(drafter) == "redrafter":  # (planned_layers refused feature layers for the other kinds)
             drafter = with_feature_layers(drafter, cfg.feature_layers)
         log(f"starting from the weights of {cfg.init_from}")
     else:
         vocab = draft_vocabulary(train, cfg.draft_vocab_size, margs.vocab_size, target.tokenizer.eos_ids)
         drafter = new_drafter(target, cfg, vocab)
-    reads = tuple(getattr(drafter.args, "feature_layers", None) or ())
     check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, "being trained", margs.num_hidden_layers)
-    if reads != train.layers or reads != heldout.layers:
-        raise UserError(f"the drafter reads target layers {list(reads) or 'none'} besides the last, but the features "
-                        f"hold {list(train.layers) or 'none'}: prepare them for its layers (planned_layers)")
     if drafter.args.draft_vocab_size:
         drafter.freeze(keys=["draft_vocab"])
     if cfg.freeze_head:
