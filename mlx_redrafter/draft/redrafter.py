@@ -39,6 +39,7 @@ from mlx_redrafter.files import fsync_tree, read_json
 from mlx_redrafter.model import post_norm_state
 from mlx_redrafter.models import safetensors_header
 from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_VOCAB, MAX_WIDTH, Field, check_fields, shown
+from mlx_redrafter.system.vector_math import silu
 from mlx_redrafter.token_ids import check_id_array
 
 MODEL_TYPE = "recurrent_drafting_drafter"
@@ -148,7 +149,7 @@ class ResBlock(nn.Module):
         self.linear = nn.Linear(dim, dim, bias=True)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x + nn.silu(linear(self.linear, x))
+        return x + silu(linear(self.linear, x))
 
 
 class Drafter(nn.Module):
@@ -189,7 +190,7 @@ class Drafter(nn.Module):
     def next_state(self, state: mx.array, token_emb: mx.array) -> mx.array:
         """RNN update with the embedding of the last drafted token: (..., H) -> (..., H)."""
         if self.args.rnn:
-            return nn.silu(linear(self.rnn_w, token_emb) + linear(self.rnn_u, state))
+            return silu(linear(self.rnn_w, token_emb) + linear(self.rnn_u, state))
         return state + token_emb
 
     def features(self, context: mx.array, state: mx.array) -> mx.array:

@@ -9,8 +9,9 @@ cblas_sgemm computes the products of few rows (decode and verification steps) by
 and hands everything else to the BLAS (MLX's bundled one when REDRAFTER_BLAS=off).
 Switch: REDRAFTER_SMALL_GEMM=auto (default) | off.
 Then our MLX primitives are loaded (`system/extension.py`; each checked against MLX's own operations): the attention
-kernel (attention_kernel.py; REDRAFTER_ATTENTION_KERNEL=auto | off) and our packed-weight products
-(packed_linear.py; REDRAFTER_PACKED_WEIGHTS=auto | off).
+kernel (attention_kernel.py; REDRAFTER_ATTENTION_KERNEL=auto | off), our packed-weight products
+(packed_linear.py; REDRAFTER_PACKED_WEIGHTS=auto | off) and log-sum-exp over logits (vector_math.py;
+REDRAFTER_VECTOR_MATH=auto | off).
 Other values of any switch are refused (a UserError naming the variable and the values it takes).
 
 Importing this package changes nothing: the command line, the benchmark and the tests call `install()` before
@@ -29,8 +30,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from types import ModuleType
 
-from mlx_redrafter.system import attention_kernel, packed_linear
+from mlx_redrafter.system import attention_kernel, packed_linear, vector_math
 
 _loaded: str | None = None
 _handle: ctypes.CDLL | None = None
@@ -39,8 +41,7 @@ _OFF = ("off", "0", "none", "false")
 _ON = ("auto", "on", "1", "true")
 BLAS_CHOICES = ("auto", "mkl", "openblas", *_OFF)
 SMALL_GEMM_CHOICES = (*_ON, *_OFF)
-ATTENTION_KERNEL_CHOICES = ("auto", *_OFF, *_ON[1:])
-PACKED_WEIGHTS_CHOICES = ("auto", *_OFF, *_ON[1:])
+KERNEL_CHOICES = ("auto", *_OFF, *_ON[1:])  # the switch of each of our MLX primitives
 
 
 @dataclass
@@ -55,6 +56,7 @@ class BlasStatus:
     small_gemm_expected: bool = False
     attention_kernel: bool = False  # our CPU attention kernel (attention_kernel.py) is active
     packed_weights: bool = False  # our packed-weight products (packed_linear.py) are active
+    vector_math: bool = False  # our vector-math kernels (vector_math.py) are active
     problem: str = ""  # why an expected piece is missing, or what the self-check found
 
     def describe(self) -> str:
@@ -62,16 +64,42 @@ class BlasStatus:
         name = self.blas
         if self.small_gemm:
             name += "+smallgemm" + (str(self.small_gemm_version) if self.small_gemm_version > 1 else "")
-        if self.attention_kernel:
-            name += f"+attn{attention_kernel.VERSION}"
-        if self.packed_weights:
-            name += f"+packed{packed_linear.VERSION}"
+        for k in KERNELS:
+            if getattr(self, k.field):
+                name += f"+{k.tag}{k.module.VERSION}"
         return name
 
     def as_dict(self) -> dict:
         """All fields, for --json output and benchmark records."""
         return asdict(self)
 
+
+@dataclass(frozen=True)
+class Kernel:
+    """One of our MLX primitives as `install` loads it: its module (with `KERNEL`, `VERSION` and `load`), its switch,
+    its `BlasStatus` field and tag, what runs slower without it, and the CPU flags one of which it needs beside
+    AVX-512F or AVX2 + FMA (none: those alone)."""
+
+    module: ModuleType
+    switch: str
+    field: str
+    tag: str
+    slower: str
+    needs_any: frozenset[str] = frozenset()
+
+    def requested(self) -> bool:
+        """Its switch is on (auto, the default) rather than off."""
+        return _switch(self.switch, KERNEL_CHOICES) not in _OFF
+
+
+KERNELS = (
+    Kernel(attention_kernel, "REDRAFTER_ATTENTION_KERNEL", "attention_kernel", "attn",
+           "attention runs on MLX's operations, slower"),
+    Kernel(packed_linear, "REDRAFTER_PACKED_WEIGHTS", "packed_weights", "packed",
+           "weight products run on float32 copies, slower", frozenset({"avx512f", "f16c"})),
+    Kernel(vector_math, "REDRAFTER_VECTOR_MATH", "vector_math", "vmath",
+           "drafter training and the feature pass run MLX's exp, slower"),
+)
 
 _status = BlasStatus()
 
@@ -90,16 +118,6 @@ def blas_choice() -> str:
     """REDRAFTER_BLAS: 'auto', 'mkl', 'openblas' or 'off' (any of its spellings maps to 'off')."""
     value = _switch("REDRAFTER_BLAS", BLAS_CHOICES)
     return "off" if value in _OFF else value
-
-
-def attention_kernel_requested() -> bool:
-    """REDRAFTER_ATTENTION_KERNEL is on (auto, the default) rather than off."""
-    return _switch("REDRAFTER_ATTENTION_KERNEL", ATTENTION_KERNEL_CHOICES) not in _OFF
-
-
-def packed_weights_requested() -> bool:
-    """REDRAFTER_PACKED_WEIGHTS is on (auto, the default) rather than off."""
-    return _switch("REDRAFTER_PACKED_WEIGHTS", PACKED_WEIGHTS_CHOICES) not in _OFF
 
 
 def small_gemm_requested() -> bool:
@@ -175,7 +193,7 @@ def install() -> BlasStatus:
     if _status.installed:
         return _status
     choice, want_small = blas_choice(), small_gemm_requested()  # unknown switch values fail before anything loads
-    want_attention, want_packed = attention_kernel_requested(), packed_weights_requested()
+    wanted = [k for k in KERNELS if k.requested()]
     st = BlasStatus(installed=True)
     if platform.system() != "Linux":
         _status = st
@@ -206,32 +224,22 @@ def install() -> BlasStatus:
     if _small is not None:
         st.small_gemm_version = _small.redrafter_gemm_version() if hasattr(_small, "redrafter_gemm_version") else 1
     _self_check(st)
-    if want_attention:
-        expected = x86 and _cpu_has_kernel_features()
-        missing = attention_kernel.load(_env_threads(), expected)
-        st.attention_kernel = attention_kernel.KERNEL.active()
+    slower = fix = ""
+    for k in wanted:
+        expected = x86 and _cpu_has_kernel_features() and (not k.needs_any or bool(k.needs_any & cpu_flags()))
+        missing = k.module.load(_env_threads(), expected)
+        setattr(st, k.field, k.module.KERNEL.active())
         if missing and expected and not st.problem:
             st.problem = missing
-    if want_packed:
-        expected = x86 and _cpu_has_kernel_features() and bool({"avx512f", "f16c"} & cpu_flags())
-        missing = packed_linear.load(_env_threads(), expected)
-        st.packed_weights = packed_linear.KERNEL.active()
-        if missing and expected and not st.problem:
-            st.problem = missing
+            slower = k.slower
+            fix = (f"build it with `make setup` (or `python -m {k.module.__name__}`), or set {k.switch}=off to "
+                   "silence this")
     if st.problem:
         if "small-GEMM" in st.problem:
             slower = "one-token decoding steps run slower"
             fix = ("rebuild it with `make setup` (or `pip install -e .`), or set REDRAFTER_SMALL_GEMM=off to silence "
                    "this")
-        elif "attention kernel" in st.problem:
-            slower = "attention runs on MLX's operations, slower"
-            fix = ("build it with `make setup` (or `python -m mlx_redrafter.system.attention_kernel`), or set "
-                   "REDRAFTER_ATTENTION_KERNEL=off to silence this")
-        elif "packed-weight" in st.problem:
-            slower = "weight products run on float32 copies, slower"
-            fix = ("build it with `make setup` (or `python -m mlx_redrafter.system.packed_linear`), or set "
-                   "REDRAFTER_PACKED_WEIGHTS=off to silence this")
-        else:
+        elif not slower:
             slower, fix = "one-token decoding steps run slower", ""
         sys.stderr.write(f"warning: {st.problem}: {slower}; {fix}\n")
     _status = st
@@ -300,8 +308,8 @@ def set_threads(n: int) -> bool:
     """Set the optimized BLAS's thread count at run time (MKL or OpenBLAS); False when there is none to set."""
     if _small is not None:
         _small.redrafter_gemm_set_threads(ctypes.c_int(n))
-    attention_kernel.KERNEL.set_threads(n)
-    packed_linear.KERNEL.set_threads(n)
+    for k in KERNELS:
+        k.module.KERNEL.set_threads(n)
     for fn in ("MKL_Set_Num_Threads", "openblas_set_num_threads"):
         f = getattr(_handle, fn, None) if _handle is not None else None
         if f is not None:

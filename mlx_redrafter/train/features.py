@@ -33,6 +33,7 @@ import numpy as np
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model, forward_chunked
+from mlx_redrafter.system.vector_math import logsumexp
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
 
@@ -82,7 +83,7 @@ def top_labels(model: Model, hidden: mx.array, k: int = TOP_K) -> tuple[mx.array
     """The target's k most likely next tokens and their log-probabilities (most likely first) at hidden states
     (n, H): (n, k) int32 and (n, k) float32, computed in float32 (lazy)."""
     logits = model.logits(hidden.astype(model.dtype)).astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logp = logits - logsumexp(logits)[:, None]
     top = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
     vals = mx.take_along_axis(logp, top, axis=-1)
     order = mx.argsort(-vals, axis=-1)  # argpartition leaves the k in no particular order

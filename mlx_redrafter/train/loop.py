@@ -31,7 +31,7 @@ from mlx_redrafter.models.safetensors_header import read_header
 from mlx_redrafter.schema import MAX_DRAFT_LAYERS, MAX_VOCAB, MAX_WIDTH, Field, check_option
 from mlx_redrafter.train.data import Batch, Examples, draft_vocabulary, make_batch
 from mlx_redrafter.train.kinds import check_kind, kind_of, new_head_drafter
-from mlx_redrafter.train.loss import hard_loss, soft_loss, teacher_forced_logits
+from mlx_redrafter.train.loss import cross_entropy, hard_loss, soft_loss, teacher_forced_logits
 
 
 @dataclass
@@ -197,7 +197,7 @@ def evaluate(drafter: Drafter, embed: Callable, ex: Examples, lut: np.ndarray, T
     for b0 in range(0, len(idx), batch):
         b = make_batch(ex, np.sort(idx[b0 : b0 + batch]), T, lut)
         logits = teacher_forced_logits(drafter, b.h, embed(b.x_in))
-        ce = nn.losses.cross_entropy(logits, b.target, reduction="none")
+        ce = cross_entropy(logits, b.target)
         hit = (mx.argmax(logits, axis=-1) == b.target).astype(mx.float32) * b.weight
         mx.eval(ce, hit)
         loss_sum += float((ce * b.weight).sum())

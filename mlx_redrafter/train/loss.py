@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlx_redrafter.draft.beam_search import context_of
+from mlx_redrafter.system.vector_math import logsumexp
 from mlx_redrafter.train.data import Batch
 
 
@@ -36,15 +36,26 @@ def recurrent_states(drafter, emb_in: mx.array, dtype: mx.Dtype = mx.float32) ->
     return mx.stack(states, axis=1)
 
 
+def log_probs_at(logits: mx.array, index: mx.array) -> mx.array:
+    """log softmax(logits) along the last axis, at `index` (..., k) only (the normaliser from the log-sum-exp
+    kernel where it runs: the full log-softmax is never formed)."""
+    return mx.take_along_axis(logits, index, axis=-1) - logsumexp(logits)[..., None]
+
+
+def cross_entropy(logits: mx.array, target: mx.array) -> mx.array:
+    """-log softmax(logits)[target] per position (logits (..., K), target (...) indices)."""
+    return -log_probs_at(logits, target[..., None])[..., 0]
+
+
 def hard_loss(logits: mx.array, b: Batch) -> mx.array:
     """Mean cross-entropy against the target's top-1 token at each step, over steps whose label is in the head."""
-    ce = nn.losses.cross_entropy(logits, b.target, reduction="none")
+    ce = cross_entropy(logits, b.target)
     return (ce * b.weight).sum() / mx.maximum(b.weight.sum(), 1.0)
 
 
 def soft_loss(logits: mx.array, b: Batch) -> mx.array:
     """Cross-entropy against the target's top-k distribution at each step (renormalized within the head)."""
-    logq = mx.take_along_axis(nn.log_softmax(logits, axis=-1), b.soft_index, axis=-1)  # (B, T, k)
+    logq = log_probs_at(logits, b.soft_index)  # (B, T, k)
     ce = -(b.soft_prob * logq).sum(axis=-1)
     has = (b.soft_prob.sum(axis=-1) > 0).astype(ce.dtype)
     return ce.sum() / mx.maximum(has.sum(), 1.0)

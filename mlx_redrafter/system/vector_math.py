@@ -1,0 +1,97 @@
+"""Our CPU vector-math kernels: MLX primitives (csrc/vector_math.cpp) for log(sum(exp(x))) over the last axis and
+for SiLU, each with its gradient.
+
+MLX's CPU wheel computes `exp`, `sigmoid` and `tanh` one element at a time, ~10-14 ns an element here (an
+addition takes 0.2 ns). Where there are many of them that dominates: a drafter's training step normalises the
+head's 8,192 logits at 1,024 positions x 5 draft steps (42M exps) and takes the SiLU of its ResBlocks and its
+recurrent update (18M), and the teacher-forced feature pass normalises the target's 49,152 logits a token. The
+kernels take them in vector registers (2^x by a polynomial), 10-60x faster, and closer to float64 than MLX's (the
+log-sum-exp of 8,192 logits and its gradient within ~3e-6 of it, MLX's ~3e-5). The recurrent drafter's SiLUs are
+these when it drafts too (the same drafts; its few hundred elements a step cost the same either way); the target's
+forward keeps MLX's SiLU, so its outputs keep their bits.
+Built against the installed MLX by `make setup` (`python -m mlx_redrafter.system.vector_math`); where they are not
+built, do not load, or fail their self-check, MLX's own operations run (the same functions to float rounding,
+slower: one line on stderr says so where the kernels were expected).
+Switch: REDRAFTER_VECTOR_MATH=auto (default) | off.
+
+Importing this module changes nothing; `blas.install()` reads the switch and calls `load()` once MLX is safe to
+import.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mlx_redrafter.system.extension import Extension
+
+VERSION = 1  # the kernels' build version (their speed), shown in blas=...+vmath1
+KERNEL = Extension("_vector_math", "vector_math.cpp", "the vector-math kernels", "MLX's operations", VERSION)
+_custom: dict = {}  # name -> custom function (built on first use: they need mlx.core)
+
+
+def load(threads: int, expected: bool) -> str:
+    """Load and check the kernel (once) on a machine it is `expected` to run on (x86-64 Linux with AVX-512 or
+    AVX2 + FMA); returns why it is not active."""
+    return KERNEL.load(threads, expected, _self_check)
+
+
+def usable(x) -> bool:
+    """The kernels take this array (float32, on the CPU)."""
+    import mlx.core as mx
+
+    return KERNEL.module is not None and x.dtype == mx.float32 and x.size > 0 and mx.default_device() == mx.cpu
+
+
+def logsumexp(x):
+    """log(sum(exp(x), axis=-1)) (shape x.shape[:-1]), differentiable: the kernel where `usable`, else MLX's."""
+    import mlx.core as mx
+
+    if not usable(x):
+        return mx.logsumexp(x, axis=-1)
+    return _function("logsumexp")(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
+
+
+def silu(x):
+    """x * sigmoid(x), differentiable: the kernel where `usable`, else MLX's `nn.silu`."""
+    if not usable(x):
+        import mlx.nn as nn
+
+        return nn.silu(x)
+    return _function("silu")(x)
+
+
+def _function(name: str):
+    """The kernel `name` as a custom MLX function with its gradient (one input: MLX passes it, and takes its
+    gradient, bare)."""
+    if name not in _custom:
+        import mlx.core as mx
+
+        k = KERNEL.module
+        if name == "logsumexp":
+            fn = mx.custom_function(lambda x: k.logsumexp_rows(x))
+            fn.vjp(lambda x, cotangent, output: k.softmax_scaled_rows(x, output, cotangent))
+        else:
+            fn = mx.custom_function(lambda x: k.silu(x))
+            fn.vjp(lambda x, cotangent, output: k.silu_grad(x, cotangent))
+        _custom[name] = fn
+    return _custom[name]
+
+
+def _self_check() -> str:
+    """Values and gradients of a few rows against MLX's own operations; '' when they agree."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    x = mx.random.normal((5, 37), key=mx.random.key(0)) * 6
+    g = mx.random.normal((5,), key=mx.random.key(1))
+    gx = mx.random.normal((5, 37), key=mx.random.key(2))
+    err = 0.0
+    for fast, ref, cot in ((logsumexp, lambda a: mx.logsumexp(a, axis=-1), g), (silu, nn.silu, gx)):
+        got, got_grad = mx.vjp(fast, [x], [cot])
+        want, want_grad = mx.vjp(ref, [x], [cot])
+        err = max(err, mx.abs(got[0] - want[0]).max().item(), mx.abs(got_grad[0] - want_grad[0]).max().item())
+    return "" if err <= 1e-5 else f"max difference {err:.2e}"
+
+
+if __name__ == "__main__":
+    sys.exit(0 if KERNEL.build() else 1)
