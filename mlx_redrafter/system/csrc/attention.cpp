@@ -159,19 +159,14 @@ UnitFn unit_fn_ = nullptr;
 
 // "avx512", "avx2" or "base": the best this CPU runs, or the one asked for where it runs it. Returns the choice.
 const char* set_isa(const std::string& want) {
-    isa_ = "base";
+    isa_ = pick_isa(want);
+    const std::string isa = isa_;
     unit_fn_ = unit_base;
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    const bool avx512 = __builtin_cpu_supports("avx512f");
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx512 && (want == "best" || want == "avx512")) {
-        isa_ = "avx512";
+    if (isa == "avx512")
         unit_fn_ = unit_avx512;
-    } else if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) {
-        isa_ = "avx2";
+    else if (isa == "avx2")
         unit_fn_ = unit_avx2;
-    }
 #endif
     return isa_;
 }

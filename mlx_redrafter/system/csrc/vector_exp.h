@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 // Vectors of LN floats (GCC's vector extensions: one register of the ISA a function is compiled for, or several).
 template <int LN>
@@ -46,4 +47,17 @@ __attribute__((always_inline)) static inline F exp2_neg(F x) {
     bits += xi << 23;
     std::memcpy(&p, &bits, sizeof p);
     return p;
+}
+
+// The variant to run: "avx512", "avx2" or "base", the best this CPU runs, or the one asked for (`want`: "best",
+// "avx512", "avx2" or "base") where it runs it (AVX2 for AVX-512 on a CPU without it).
+static inline const char* pick_isa(const std::string& want) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx512 && (want == "best" || want == "avx512")) return "avx512";
+    if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) return "avx2";
+#endif
+    return "base";
 }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -172,23 +173,19 @@ SiluGradFn silu_grad_fn_ = nullptr;
 
 // "avx512", "avx2" or "base": the best this CPU runs, or the one asked for where it runs it. Returns the choice.
 const char* set_isa(const std::string& want) {
-    isa_ = "base";
+    isa_ = pick_isa(want);
+    const std::string isa = isa_;
     lse_fn_ = lse_base;
     grad_fn_ = grad_base;
     silu_fn_ = silu_base;
     silu_grad_fn_ = silu_grad_base;
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    const bool avx512 = __builtin_cpu_supports("avx512f");
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx512 && (want == "best" || want == "avx512")) {
-        isa_ = "avx512";
+    if (isa == "avx512") {
         lse_fn_ = lse_avx512;
         grad_fn_ = grad_avx512;
         silu_fn_ = silu_avx512;
         silu_grad_fn_ = silu_grad_avx512;
-    } else if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) {
-        isa_ = "avx2";
+    } else if (isa == "avx2") {
         lse_fn_ = lse_avx2;
         grad_fn_ = grad_avx2;
         silu_fn_ = silu_avx2;
@@ -213,56 +210,6 @@ static void over_rows(int64_t rows, int64_t n, int threads, Fn fn) {
     }
 }
 
-class LogSumExpRows : public mx::Primitive {
-   public:
-    explicit LogSumExpRows(mx::Stream s) : mx::Primitive(s) {}
-    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-        auto& out = outputs[0];
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto& enc = mx::cpu::get_command_encoder(stream());
-        enc.set_input_array(inputs[0]);
-        enc.set_output_array(out);
-        enc.dispatch([x = inputs[0], out = mx::array::unsafe_weak_copy(out), threads = threads_,
-                      fn = lse_fn_]() mutable {
-            const int64_t rows = x.shape(0), n = x.shape(1);
-            const float* xp = x.data<float>();
-            float* o = out.data<float>();
-            over_rows(rows, n, threads, [&](int64_t r0, int64_t r1) { fn(xp, n, r0, r1, o); });
-        });
-    }
-    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-        throw std::runtime_error("logsumexp_rows runs on the CPU only");
-    }
-    const char* name() const override { return "LogSumExpRows"; }
-    bool is_equivalent(const mx::Primitive&) const override { return true; }
-};
-
-class SoftmaxScaledRows : public mx::Primitive {
-   public:
-    explicit SoftmaxScaledRows(mx::Stream s) : mx::Primitive(s) {}
-    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-        auto& out = outputs[0];
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto& enc = mx::cpu::get_command_encoder(stream());
-        for (auto& a : inputs) enc.set_input_array(a);
-        enc.set_output_array(out);
-        enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), threads = threads_,
-                      fn = grad_fn_]() mutable {
-            const int64_t rows = ins[0].shape(0), n = ins[0].shape(1);
-            const float* xp = ins[0].data<float>();
-            const float* lse = ins[1].data<float>();
-            const float* g = ins[2].data<float>();
-            float* o = out.data<float>();
-            over_rows(rows, n, threads, [&](int64_t r0, int64_t r1) { fn(xp, n, r0, r1, lse, g, o); });
-        });
-    }
-    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-        throw std::runtime_error("softmax_scaled_rows runs on the CPU only");
-    }
-    const char* name() const override { return "SoftmaxScaledRows"; }
-    bool is_equivalent(const mx::Primitive&) const override { return true; }
-};
-
 // Elements [0, n) shared out in contiguous ranges of whole cache lines over the threads.
 template <typename Fn>
 static void over_elements(int64_t n, int threads, Fn fn) {
@@ -279,46 +226,57 @@ static void over_elements(int64_t n, int threads, Fn fn) {
     }
 }
 
-class Silu : public mx::Primitive {
+// One primitive of this file: `run(inputs, output)` on the CPU stream's thread, into a newly allocated output. The
+// variant and the threads are those set when the array was built.
+class CpuPrimitive : public mx::Primitive {
    public:
-    explicit Silu(mx::Stream s) : mx::Primitive(s) {}
+    using Run = std::function<void(const std::vector<mx::array>&, mx::array&)>;
+    CpuPrimitive(mx::Stream s, const char* name, Run run) : mx::Primitive(s), name_(name), run_(std::move(run)) {}
     void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
         auto& out = outputs[0];
         out.set_data(mx::allocator::malloc(out.nbytes()));
         auto& enc = mx::cpu::get_command_encoder(stream());
         for (auto& a : inputs) enc.set_input_array(a);
         enc.set_output_array(out);
-        enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), threads = threads_, fn = silu_fn_,
-                      gfn = silu_grad_fn_]() mutable {
-            const float* x = ins[0].data<float>();
-            float* o = out.data<float>();
-            if (ins.size() == 1) {
-                over_elements(out.size(), threads, [&](int64_t i0, int64_t i1) { fn(x, i0, i1, o); });
-            } else {
-                const float* g = ins[1].data<float>();
-                over_elements(out.size(), threads, [&](int64_t i0, int64_t i1) { gfn(x, g, i0, i1, o); });
-            }
-        });
+        enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), run = run_]() mutable { run(ins, out); });
     }
     void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-        throw std::runtime_error("silu runs on the CPU only");
+        throw std::runtime_error(std::string(name_) + " runs on the CPU only");
     }
-    const char* name() const override { return "Silu"; }
-    bool is_equivalent(const mx::Primitive&) const override { return true; }
+    const char* name() const override { return name_; }
+    bool is_equivalent(const mx::Primitive& other) const override {
+        return std::string(name_) == static_cast<const CpuPrimitive&>(other).name_;
+    }
+
+   private:
+    const char* name_;
+    Run run_;
 };
 
 // x -> x sigmoid(x) (float32, any shape).
 mx::array silu(const mx::array& x) {
     if (x.dtype() != mx::float32) throw std::invalid_argument("silu: float32 x");
     auto s = mx::default_stream(mx::Device::cpu);
-    return mx::array(x.shape(), mx::float32, std::make_shared<Silu>(s), {mx::contiguous(x, false, s)});
+    auto run = [threads = threads_, fn = silu_fn_](const std::vector<mx::array>& ins, mx::array& out) {
+        const float* xp = ins[0].data<float>();
+        float* o = out.data<float>();
+        over_elements(out.size(), threads, [&](int64_t i0, int64_t i1) { fn(xp, i0, i1, o); });
+    };
+    return mx::array(x.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "Silu", run),
+                     {mx::contiguous(x, false, s)});
 }
 
 // x, g (the same shape) -> g times the derivative of silu at x.
 mx::array silu_grad(const mx::array& x, const mx::array& g) {
     if (x.dtype() != mx::float32 || g.shape() != x.shape()) throw std::invalid_argument("silu_grad: float32 x and g of one shape");
     auto s = mx::default_stream(mx::Device::cpu);
-    return mx::array(x.shape(), mx::float32, std::make_shared<Silu>(s),
+    auto run = [threads = threads_, fn = silu_grad_fn_](const std::vector<mx::array>& ins, mx::array& out) {
+        const float* xp = ins[0].data<float>();
+        const float* gp = ins[1].data<float>();
+        float* o = out.data<float>();
+        over_elements(out.size(), threads, [&](int64_t i0, int64_t i1) { fn(xp, gp, i0, i1, o); });
+    };
+    return mx::array(x.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "SiluGrad", run),
                      {mx::contiguous(x, false, s), mx::contiguous(mx::astype(g, mx::float32, s), false, s)});
 }
 
@@ -331,7 +289,14 @@ static void check_rows(const mx::array& x, const char* what) {
 mx::array logsumexp_rows(const mx::array& x) {
     check_rows(x, "logsumexp_rows");
     auto s = mx::default_stream(mx::Device::cpu);
-    return mx::array({x.shape(0)}, mx::float32, std::make_shared<LogSumExpRows>(s), {mx::contiguous(x, false, s)});
+    auto run = [threads = threads_, fn = lse_fn_](const std::vector<mx::array>& ins, mx::array& out) {
+        const int64_t rows = ins[0].shape(0), n = ins[0].shape(1);
+        const float* xp = ins[0].data<float>();
+        float* o = out.data<float>();
+        over_rows(rows, n, threads, [&](int64_t r0, int64_t r1) { fn(xp, n, r0, r1, o); });
+    };
+    return mx::array({x.shape(0)}, mx::float32, std::make_shared<CpuPrimitive>(s, "LogSumExpRows", run),
+                     {mx::contiguous(x, false, s)});
 }
 
 // x (rows, n), lse (rows,) = logsumexp_rows(x), g (rows,) -> exp(x - lse[:, None]) * g[:, None], (rows, n).
@@ -342,7 +307,16 @@ mx::array softmax_scaled_rows(const mx::array& x, const mx::array& lse, const mx
     auto s = mx::default_stream(mx::Device::cpu);
     std::vector<mx::array> ins = {mx::contiguous(x, false, s), mx::contiguous(mx::astype(lse, mx::float32, s), false, s),
                                   mx::contiguous(mx::astype(g, mx::float32, s), false, s)};
-    return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxScaledRows>(s), std::move(ins));
+    auto run = [threads = threads_, fn = grad_fn_](const std::vector<mx::array>& ins, mx::array& out) {
+        const int64_t rows = ins[0].shape(0), n = ins[0].shape(1);
+        const float* xp = ins[0].data<float>();
+        const float* lse = ins[1].data<float>();
+        const float* g = ins[2].data<float>();
+        float* o = out.data<float>();
+        over_rows(rows, n, threads, [&](int64_t r0, int64_t r1) { fn(xp, n, r0, r1, lse, g, o); });
+    };
+    return mx::array(x.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "SoftmaxScaledRows", run),
+                     std::move(ins));
 }
 
 }  // namespace
