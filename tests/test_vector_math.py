@@ -1,6 +1,6 @@
 """Our vector-math kernels (x86-64 Linux with AVX-512 or AVX2 + FMA): log-sum-exp and SiLU and their gradients
-against float64, the special values MLX gives, inside `mx.compile` and a training step, the training losses the same
-with and without them, and the shipped drafter drafting the same."""
+against float64, top k against a stable sort, the special values MLX gives, inside `mx.compile` and a training step,
+the training losses the same with and without them, and the shipped drafter drafting the same."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,6 +63,21 @@ def test_silu_and_its_gradient_match_float64(kernel, isa, shape):
         (got,), (grad,) = mx.vjp(kernel.silu, [mx.array(x)], [mx.array(g)])
     assert np.abs(np.array(got) - x * s).max() <= 2e-6 * max(1.0, np.abs(x).max())
     assert np.abs(np.array(grad) - g * s * (1 + x * (1 - s))).max() <= 1e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape, k", [((1, 1), 1), ((3, 8), 8), ((5, 37), 8), ((2, 33), 5), ((4, 100), 64),
+                                      ((300, 49152), 8)])
+def test_top_k_is_a_stable_sort_s_first_k(kernel, isa, shape, k):
+    rng = np.random.default_rng(sum(shape) + k)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0, -1] = x[0, 0] = x[0].max() + 1  # equal values at the top: index order
+    if shape[1] > 2:
+        x[-1, 1] = x[-1, 2] = np.sort(x[-1])[-min(k, shape[1] - 2)]  # and at the k-th
+    with KERNEL.use_isa(isa):
+        got = np.array(kernel.top_k(mx.array(x), k))
+    assert got.dtype == np.int32 and got.shape == (shape[0], k)
+    assert np.array_equal(got, np.argsort(-x, axis=-1, kind="stable")[:, :k])
 
 
 def test_special_values_are_those_of_mlx(kernel):

@@ -33,7 +33,7 @@ import numpy as np
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model, forward_chunked
-from mlx_redrafter.system.vector_math import logsumexp
+from mlx_redrafter.system.vector_math import logsumexp, top_k
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
 
@@ -83,10 +83,8 @@ def top_labels(model: Model, hidden: mx.array, k: int = TOP_K) -> tuple[mx.array
     """The target's k most likely next tokens and their log-probabilities (most likely first) at hidden states
     (n, H): (n, k) int32 and (n, k) float32, computed in float32 (lazy)."""
     logits = model.logits(hidden.astype(model.dtype)).astype(mx.float32)
-    top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]  # the logits' top k are the log-probabilities'
-    vals = mx.take_along_axis(logits, top, axis=-1) - logsumexp(logits)[:, None]  # only k of them normalised
-    order = mx.argsort(-vals, axis=-1)  # argpartition leaves the k in no particular order
-    return mx.take_along_axis(top, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+    top = top_k(logits, k)  # the logits' top k are the log-probabilities'
+    return top, mx.take_along_axis(logits, top, axis=-1) - logsumexp(logits)[:, None]  # only k normalised
 
 
 def _labels_in_chunks(model: Model, hidden: np.ndarray | mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -141,10 +141,46 @@ __attribute__((always_inline)) static inline void silu_grad_span(const float* __
     }
 }
 
+// The indices of the k largest of x[0..n) (k <= n), largest first, equal values in index order (as a stable sort
+// of -x would give them): one pass against the k-th largest so far, which few elements beat.
+template <int LN>
+__attribute__((always_inline)) static inline void top_k_row(const float* __restrict x, int64_t n, int k,
+                                                            int32_t* __restrict out) {
+    typedef typename Vec<LN>::F F;
+    float best[64];
+    int32_t at[64];
+    int m = 0;  // entries held, best[0] >= best[1] >= ...
+    auto offer = [&](float v, int32_t i) {
+        if (m == k && !(v > best[k - 1])) return;  // not above the k-th (a NaN never is)
+        int j = m < k ? m++ : k - 1;
+        while (j > 0 && v > best[j - 1]) {
+            best[j] = best[j - 1];
+            at[j] = at[j - 1];
+            --j;
+        }
+        best[j] = v;
+        at[j] = i;
+    };
+    int64_t j = 0;
+    for (; j < n && m < k; ++j) offer(x[j], (int32_t)j);
+    for (; j < n && j % LN; ++j) offer(x[j], (int32_t)j);
+    for (; j + LN <= n; j += LN) {
+        const F v = load<F>(x + j);
+        const auto above = v > best[k - 1];
+        bool any = false;
+        for (int l = 0; l < LN; ++l) any |= above[l] != 0;
+        if (!any) continue;
+        for (int l = 0; l < LN; ++l) offer(x[j + l], (int32_t)(j + l));
+    }
+    for (; j < n; ++j) offer(x[j], (int32_t)j);
+    for (int i = 0; i < k; ++i) out[i] = at[i];
+}
+
 using LseFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
 using GradFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, float*);
 using SiluFn = void (*)(const float*, int64_t, int64_t, float*);
 using SiluGradFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
+using TopKFn = void (*)(const float*, int64_t, int, int64_t, int64_t, int32_t*);
 #define VARIANTS(SUFFIX, TARGET, LN)                                                                         \
     TARGET static void lse_##SUFFIX(const float* x, int64_t n, int64_t r0, int64_t r1, float* out) {         \
         for (int64_t r = r0; r < r1; ++r) out[r] = lse_row<LN>(x + r * n, n);                                \
@@ -158,6 +194,9 @@ using SiluGradFn = void (*)(const float*, const float*, int64_t, int64_t, float*
     }                                                                                                        \
     TARGET static void silu_grad_##SUFFIX(const float* x, const float* g, int64_t i0, int64_t i1, float* out) { \
         silu_grad_span<LN>(x, g, i0, i1, out);                                                               \
+    }                                                                                                        \
+    TARGET static void top_k_##SUFFIX(const float* x, int64_t n, int k, int64_t r0, int64_t r1, int32_t* out) { \
+        for (int64_t r = r0; r < r1; ++r) top_k_row<LN>(x + r * n, n, k, out + r * k);                        \
     }
 VARIANTS(base, , 8)
 #if defined(__x86_64__)
@@ -170,6 +209,7 @@ LseFn lse_fn_ = nullptr;
 GradFn grad_fn_ = nullptr;
 SiluFn silu_fn_ = nullptr;
 SiluGradFn silu_grad_fn_ = nullptr;
+TopKFn top_k_fn_ = nullptr;
 
 // "avx512", "avx2" or "base": the best this CPU runs, or the one asked for where it runs it. Returns the choice.
 const char* set_isa(const std::string& want) {
@@ -179,17 +219,20 @@ const char* set_isa(const std::string& want) {
     grad_fn_ = grad_base;
     silu_fn_ = silu_base;
     silu_grad_fn_ = silu_grad_base;
+    top_k_fn_ = top_k_base;
 #if defined(__x86_64__)
     if (isa == "avx512") {
         lse_fn_ = lse_avx512;
         grad_fn_ = grad_avx512;
         silu_fn_ = silu_avx512;
         silu_grad_fn_ = silu_grad_avx512;
+        top_k_fn_ = top_k_avx512;
     } else if (isa == "avx2") {
         lse_fn_ = lse_avx2;
         grad_fn_ = grad_avx2;
         silu_fn_ = silu_avx2;
         silu_grad_fn_ = silu_grad_avx2;
+        top_k_fn_ = top_k_avx2;
     }
 #endif
     return isa_;
@@ -280,6 +323,21 @@ mx::array silu_grad(const mx::array& x, const mx::array& g) {
                      {mx::contiguous(x, false, s), mx::contiguous(mx::astype(g, mx::float32, s), false, s)});
 }
 
+// x (rows, n) float32 -> the indices (rows, k) int32 of each row's k largest, largest first (1 <= k <= min(n, 64)).
+mx::array top_k_rows(const mx::array& x, int k) {
+    if (x.dtype() != mx::float32 || x.ndim() != 2 || k < 1 || k > 64 || k > x.shape(1))
+        throw std::invalid_argument("top_k_rows: float32 x of shape (rows, n) and 1 <= k <= min(n, 64)");
+    auto s = mx::default_stream(mx::Device::cpu);
+    auto run = [threads = threads_, fn = top_k_fn_, k](const std::vector<mx::array>& ins, mx::array& out) {
+        const int64_t rows = ins[0].shape(0), n = ins[0].shape(1);
+        const float* xp = ins[0].data<float>();
+        int32_t* o = out.data<int32_t>();
+        over_rows(rows, n, threads, [&](int64_t r0, int64_t r1) { fn(xp, n, k, r0, r1, o); });
+    };
+    return mx::array({x.shape(0), k}, mx::int32, std::make_shared<CpuPrimitive>(s, "TopKRows", run),
+                     {mx::contiguous(x, false, s)});
+}
+
 static void check_rows(const mx::array& x, const char* what) {
     if (x.dtype() != mx::float32 || x.ndim() != 2 || x.shape(1) < 1)
         throw std::invalid_argument(std::string(what) + ": float32 x of shape (rows, n >= 1)");
@@ -327,6 +385,7 @@ NB_MODULE(_vector_math, m) {
     m.def("softmax_scaled_rows", &softmax_scaled_rows, nb::arg("x"), nb::arg("lse"), nb::arg("g"));
     m.def("silu", &silu, nb::arg("x"));
     m.def("silu_grad", &silu_grad, nb::arg("x"), nb::arg("g"));
+    m.def("top_k_rows", &top_k_rows, nb::arg("x"), nb::arg("k"));
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
     m.def("version", []() { return 1; });
