@@ -7,9 +7,9 @@ head's 8,192 logits at 1,024 positions x 5 draft steps (42M exps) and takes the 
 recurrent update (18M), and the teacher-forced feature pass normalises the target's 49,152 logits a token and
 picks their top 8 (MLX's `argpartition` there took ~0.3 ms a token, as long as the vocabulary product). The
 kernels take them in vector registers (2^x by a polynomial), 10-60x faster, and closer to float64 than MLX's (the
-log-sum-exp of 8,192 logits and its gradient within ~3e-6 of it, MLX's ~3e-5). The recurrent drafter's SiLUs are
-these when it drafts too (the same drafts; its few hundred elements a step cost the same either way); the target's
-forward keeps MLX's SiLU, so its outputs keep their bits.
+log-sum-exp of 8,192 logits and its gradient within ~3e-6 of it, MLX's ~3e-5). Decoding does not use them: a
+drafting step's SiLUs are too small to gain (`SILU_MIN`), and the target's MLP keeps its power-of-two SiLU
+(`model.silu_mul`; the kernel there measured no faster in whole decoding runs, and would change the target's bits).
 Built against the installed MLX by `make setup` (`python -m mlx_redrafter.system.vector_math`); where they are not
 built, do not load, or fail their self-check, MLX's own operations run (the same functions to float rounding,
 slower: one line on stderr says so where the kernels were expected).
@@ -52,9 +52,13 @@ def logsumexp(x):
     return _function("logsumexp")(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
 
 
+SILU_MIN = 1 << 16  # elements below which `silu` keeps MLX's (one compiled node; ours adds the custom function's)
+
+
 def silu(x):
-    """x * sigmoid(x), differentiable: the kernel where `usable`, else MLX's `nn.silu`."""
-    if not usable(x):
+    """x * sigmoid(x), differentiable: the kernel where `usable` and x has at least `SILU_MIN` elements (training
+    batches; a drafting step's few rows are faster through MLX's), else MLX's `nn.silu`."""
+    if not usable(x) or x.size < SILU_MIN:
         import mlx.nn as nn
 
         return nn.silu(x)
