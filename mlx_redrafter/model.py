@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_redrafter.cache import KVCache
-from mlx_redrafter.system import attention_kernel, packed_linear
+from mlx_redrafter.system import attention_kernel, packed_linear, vector_math
 
 
 @dataclass
@@ -131,8 +131,12 @@ class RMSNorm(nn.RMSNorm):
 
 
 def silu_mul(g: mx.array, u: mx.array) -> mx.array:
-    """SiLU(g) * u (the Llama MLP's gate). On a CPU backend exp is computed as a power of two, in one fused
-    kernel: the same function to float rounding, ~3x faster there."""
+    """SiLU(g) * u (the Llama MLP's gate). On a CPU in float32 our vector-math kernel (`system/vector_math.py`: one
+    pass in vector registers); elsewhere on a CPU exp as a power of two in one fused kernel (~3x faster than MLX's
+    exp there); the same function to float rounding."""
+    fast = vector_math.silu_mul(g, u)
+    if fast is not None:
+        return fast
     if mx.default_device() == mx.cpu:
         return _silu_mul_cpu(g, u)
     return nn.silu(g) * u
@@ -411,7 +415,7 @@ class CompiledLayer:
             def after(x, out, o, norm_w, gate_up, down, gather=None):
                 h1 = x + mm(tokens_of(out, gather), o)
                 g, u = mx.split(mm(_rms_norm_compiled(h1, norm_w, eps, inv_dim), gate_up), [hidden], axis=-1)
-                return h1 + mm(_silu_mul_cpu(g, u), down)
+                return h1 + mm(silu_mul(g, u), down)
 
             # plain and ragged (with the layout's index) traced apart
             return mx.compile(before), mx.compile(after), mx.compile(before), mx.compile(after)
