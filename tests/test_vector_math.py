@@ -1,6 +1,7 @@
-"""Our vector-math kernels (x86-64 Linux with AVX-512 or AVX2 + FMA): log-sum-exp and SiLU and their gradients
-against float64, top k against a stable sort, the special values MLX gives, inside `mx.compile` and a training step,
-the training losses the same with and without them, and the shipped drafter drafting the same."""
+"""Our vector-math kernels (x86-64 Linux with AVX-512 or AVX2 + FMA): log-sum-exp and SiLU and their gradients,
+and the MLP gate, against float64, top k against a stable sort, the special values MLX gives, inside `mx.compile`
+and a training step, the training losses the same with and without them, and the shipped drafter drafting the
+same."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,6 +65,18 @@ def test_silu_and_its_gradient_match_float64(kernel, isa, shape, monkeypatch):
         (got,), (grad,) = mx.vjp(kernel.silu, [mx.array(x)], [mx.array(g)])
     assert np.abs(np.array(got) - x * s).max() <= 2e-6 * max(1.0, np.abs(x).max())
     assert np.abs(np.array(grad) - g * s * (1 + x * (1 - s))).max() <= 1e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", [(1, 1536), (3, 5), (8, 1536), (64, 1536)])
+def test_the_mlp_gate_matches_float64(kernel, isa, shape):
+    rng = np.random.default_rng(sum(shape))
+    g, u = (rng.standard_normal(shape).astype(np.float32) * 4 for _ in range(2))
+    want = g * u / (1 + np.exp(-g.astype(np.float64)))
+    with KERNEL.use_isa(isa):
+        got = np.array(kernel.silu_mul(mx.array(g), mx.array(u)))
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    assert kernel.silu_mul(mx.array(g).astype(mx.float16), mx.array(u).astype(mx.float16)) is None
 
 
 @pytest.mark.parametrize("isa", ISAS)
