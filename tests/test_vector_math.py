@@ -11,7 +11,8 @@ from kernels import require, without
 
 from mlx_redrafter.system import vector_math
 from mlx_redrafter.system.blas import status
-from mlx_redrafter.train.loss import cross_entropy, log_probs_at
+from mlx_redrafter.system.vector_math import log_probs_at
+from mlx_redrafter.train.loss import cross_entropy
 
 KERNEL = vector_math.KERNEL
 ISAS = ["best", "avx2"]

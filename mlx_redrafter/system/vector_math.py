@@ -53,6 +53,14 @@ def logsumexp(x):
     return _function("logsumexp")(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
 
 
+def log_probs_at(logits, index):
+    """log softmax(logits) along the last axis at `index` (..., k) only, differentiable (the full log-softmax is
+    never formed)."""
+    import mlx.core as mx
+
+    return mx.take_along_axis(logits, index, axis=-1) - logsumexp(logits)[..., None]
+
+
 SILU_MIN = 1 << 16  # elements below which `silu` keeps MLX's (one compiled node; ours adds the custom function's)
 
 

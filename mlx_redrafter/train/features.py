@@ -33,7 +33,7 @@ import numpy as np
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import write_atomic
 from mlx_redrafter.model import Model, forward_chunked
-from mlx_redrafter.system.vector_math import logsumexp, top_k
+from mlx_redrafter.system.vector_math import log_probs_at, top_k
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, Shard, load_shard
 
@@ -84,7 +84,7 @@ def top_labels(model: Model, hidden: mx.array, k: int = TOP_K) -> tuple[mx.array
     (n, H): (n, k) int32 and (n, k) float32, computed in float32 (lazy)."""
     logits = model.logits(hidden.astype(model.dtype)).astype(mx.float32)
     top = top_k(logits, k)  # the logits' top k are the log-probabilities'
-    return top, mx.take_along_axis(logits, top, axis=-1) - logsumexp(logits)[:, None]  # only k normalised
+    return top, log_probs_at(logits, top)
 
 
 def _labels_in_chunks(model: Model, hidden: np.ndarray | mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:

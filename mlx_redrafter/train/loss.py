@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_redrafter.draft.beam_search import context_of
-from mlx_redrafter.system.vector_math import logsumexp
+from mlx_redrafter.system.vector_math import log_probs_at
 from mlx_redrafter.train.data import Batch
 
 
@@ -34,12 +34,6 @@ def recurrent_states(drafter, emb_in: mx.array, dtype: mx.Dtype = mx.float32) ->
         s = drafter.next_state(s, emb_in[:, j])
         states.append(s)
     return mx.stack(states, axis=1)
-
-
-def log_probs_at(logits: mx.array, index: mx.array) -> mx.array:
-    """log softmax(logits) along the last axis, at `index` (..., k) only (the normaliser from the log-sum-exp
-    kernel where it runs: the full log-softmax is never formed)."""
-    return mx.take_along_axis(logits, index, axis=-1) - logsumexp(logits)[..., None]
 
 
 def cross_entropy(logits: mx.array, target: mx.array) -> mx.array:

@@ -304,33 +304,25 @@ class CpuPrimitive : public mx::Primitive {
     Run run_;
 };
 
-// x -> x sigmoid(x) (float32, any shape).
-mx::array silu(const mx::array& x) {
-    if (x.dtype() != mx::float32) throw std::invalid_argument("silu: float32 x");
+// x -> x sigmoid(x), times u where given (the same shape: a Llama MLP's gate, in one pass); float32.
+static mx::array silu_times(const mx::array& x, const mx::array* u, const char* name) {
+    if (x.dtype() != mx::float32 || (u && (u->dtype() != mx::float32 || u->shape() != x.shape())))
+        throw std::invalid_argument(std::string(name) + ": float32 inputs of one shape");
     auto s = mx::default_stream(mx::Device::cpu);
     auto run = [threads = threads_, fn = silu_fn_](const std::vector<mx::array>& ins, mx::array& out) {
         const float* xp = ins[0].data<float>();
+        const float* up = ins.size() > 1 ? ins[1].data<float>() : nullptr;
         float* o = out.data<float>();
-        over_elements(out.size(), threads, [&](int64_t i0, int64_t i1) { fn(xp, nullptr, i0, i1, o); });
+        over_elements(out.size(), threads, [&](int64_t i0, int64_t i1) { fn(xp, up, i0, i1, o); });
     };
-    return mx::array(x.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "Silu", run),
-                     {mx::contiguous(x, false, s)});
+    std::vector<mx::array> ins = {mx::contiguous(x, false, s)};
+    if (u) ins.push_back(mx::contiguous(*u, false, s));
+    return mx::array(x.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, name, run), std::move(ins));
 }
 
-// g, u (the same shape) -> silu(g) u: a Llama MLP's gate, in one pass.
-mx::array silu_mul(const mx::array& g, const mx::array& u) {
-    if (g.dtype() != mx::float32 || u.dtype() != mx::float32 || g.shape() != u.shape())
-        throw std::invalid_argument("silu_mul: float32 g and u of one shape");
-    auto s = mx::default_stream(mx::Device::cpu);
-    auto run = [threads = threads_, fn = silu_fn_](const std::vector<mx::array>& ins, mx::array& out) {
-        const float* gp = ins[0].data<float>();
-        const float* up = ins[1].data<float>();
-        float* o = out.data<float>();
-        over_elements(out.size(), threads, [&](int64_t i0, int64_t i1) { fn(gp, up, i0, i1, o); });
-    };
-    return mx::array(g.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "SiluMul", run),
-                     {mx::contiguous(g, false, s), mx::contiguous(u, false, s)});
-}
+mx::array silu(const mx::array& x) { return silu_times(x, nullptr, "Silu"); }
+
+mx::array silu_mul(const mx::array& g, const mx::array& u) { return silu_times(g, &u, "SiluMul"); }
 
 // x, g (the same shape) -> g times the derivative of silu at x.
 mx::array silu_grad(const mx::array& x, const mx::array& g) {
