@@ -7,20 +7,12 @@ import sys
 import pytest
 
 from mlx_redrafter.draft.redrafter import random_drafter, save_drafter
+from tests.one_line import assert_one_line_error
 
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mlx_redrafter.cmd.main", *args], capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for n in needles:
-        assert n in lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ timeout, so an unreachable network could otherwise hang for minutes).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
+from mlx_redrafter.environment import number
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json
 from mlx_redrafter.models import safetensors_header
@@ -23,10 +23,7 @@ PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken
 
 def probe_timeout() -> float:
     """Seconds to wait for the hub to answer (env REDRAFTER_HUB_TIMEOUT, default 5)."""
-    try:
-        return float(os.environ.get("REDRAFTER_HUB_TIMEOUT", "5"))
-    except ValueError:
-        return 5.0
+    return number("REDRAFTER_HUB_TIMEOUT", 5.0, 0.1)
 
 
 def download_command(repo: str, filename: str | None) -> str:
@@ -90,8 +87,9 @@ def _unreachable(endpoint: str) -> str | None:
     """Why the hub does not answer within the probe timeout (None: it answers)."""
     from huggingface_hub.utils import get_session
 
+    timeout = probe_timeout()
     try:
-        get_session().head(endpoint, timeout=probe_timeout())
+        get_session().head(endpoint, timeout=timeout)
     except Exception as e:  # connection refused, DNS failure, timeout, proxy error
         return type(e).__name__
     return None

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from types import ModuleType
 
+from mlx_redrafter.environment import number, switch
 from mlx_redrafter.system import attention_kernel, packed_linear, vector_math
 
 _loaded: str | None = None
@@ -89,7 +90,7 @@ class Kernel:
 
     def requested(self) -> bool:
         """Its switch is on (auto, the default) rather than off."""
-        return _switch(self.switch, KERNEL_CHOICES) not in _OFF
+        return switch(self.switch, KERNEL_CHOICES) not in _OFF
 
 
 KERNELS = (
@@ -104,25 +105,15 @@ KERNELS = (
 _status = BlasStatus()
 
 
-def _switch(var: str, allowed: tuple[str, ...]) -> str:
-    """The lower-cased value of switch `var` (auto when unset); an unknown value is the user's error."""
-    from mlx_redrafter.errors import UserError
-
-    value = os.environ.get(var, "auto").strip().lower()
-    if value not in allowed:
-        raise UserError(f"{var}={os.environ[var]!r} is not a known value; use one of: {', '.join(allowed)}")
-    return value
-
-
 def blas_choice() -> str:
     """REDRAFTER_BLAS: 'auto', 'mkl', 'openblas' or 'off' (any of its spellings maps to 'off')."""
-    value = _switch("REDRAFTER_BLAS", BLAS_CHOICES)
+    value = switch("REDRAFTER_BLAS", BLAS_CHOICES)
     return "off" if value in _OFF else value
 
 
 def small_gemm_requested() -> bool:
     """REDRAFTER_SMALL_GEMM is on (auto, the default) rather than off."""
-    return _switch("REDRAFTER_SMALL_GEMM", SMALL_GEMM_CHOICES) not in _OFF
+    return switch("REDRAFTER_SMALL_GEMM", SMALL_GEMM_CHOICES) not in _OFF
 
 
 def _small_gemm_path() -> str | None:
@@ -132,7 +123,11 @@ def _small_gemm_path() -> str | None:
 
 
 def _env_threads() -> int:
-    for var in ("REDRAFTER_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+    """REDRAFTER_THREADS (a whole number >= 1), else MKL's or OpenMP's thread count, else one per core."""
+    ours = int(number("REDRAFTER_THREADS", 0, 1, integer=True))
+    if ours:
+        return ours
+    for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):  # theirs: their libraries judge their values
         try:
             return max(1, int(os.environ[var]))
         except (KeyError, ValueError):

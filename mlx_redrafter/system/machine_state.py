@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from mlx_redrafter.environment import number
+
 BUSY_CPU_PERCENT = 20.0  # another process above this share of one core makes the machine busy
 EXCESS_LOAD_PER_CORE = 0.3  # load average beyond our own use, per core, that makes the machine busy
 
@@ -103,10 +105,7 @@ def snapshot(interval: float = 1.0) -> dict[str, Any]:
 def settle_seconds() -> float:
     """How long `MachineWatch.start` may wait for a load average left by finished work to decay
     (REDRAFTER_SETTLE_S, default 90; 0 = never wait)."""
-    try:
-        return max(0.0, float(os.environ.get("REDRAFTER_SETTLE_S", "90")))
-    except ValueError:
-        return 90.0
+    return number("REDRAFTER_SETTLE_S", 90.0, 0.0)
 
 
 class MachineWatch:
