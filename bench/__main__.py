@@ -16,6 +16,7 @@ from mlx_redrafter.defaults import (
     QUICK_GRID,
 )
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.schema import Field, check_http_url, check_option
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Benchmarks and the MLX vs PyTorch parity report of redrafter-mlx.")
@@ -313,6 +314,8 @@ def profile(
 
     model = load_target(None, "float32").model
     Ns = c.int_list(ns, "--ns")
+    if Ns[0] < 1 or context < 1 or repeats < 1:
+        raise UserError("--ns, --context and --repeats must be >= 1")
     watch = MachineWatch()
     watch.start()
     res = {"blas": blas_name(), "small_gemm": run_profile(model, Ns, context, repeats)}
@@ -380,6 +383,9 @@ def load(
     ks = c.int_list(clients, "--clients")
     if ks[0] < 1 or requests < 1 or max_tokens < 1 or num_prompts < 1:
         raise UserError("--clients, --requests, --max-tokens and --num-prompts must be >= 1")
+    check_option("--max-seconds", max_seconds, Field("", float, hi=1e7, positive=True))
+    if url is not None:
+        url = check_http_url(url, "--url", "http://127.0.0.1:8080")
     prompts = [r["prompt"] for r in first_turns(None, num_prompts, spread=True)]
     proc = None
     if url is None:
@@ -460,6 +466,7 @@ def batch(
     bs = c.int_list(batches, "--batches")
     if min(bs) < 1 or max(bs) > 64 or num_prompts < 1 or max_tokens < 1 or repeats < 1:
         raise UserError("--batches 1..64; --num-prompts, --max-tokens, --repeats >= 1")
+    _api.decode_options(draft=draft)  # an unknown mode fails now, not after the cost curve's measurement
     lm = api_load()
     prompts = [_api.encode_prompt(lm, r["prompt"]) for r in first_turns(None, num_prompts, spread=True)]
     curve = _api.cost_curve(lm, max(bs), _api.decode_options().copy_length)

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlx_redrafter.errors import UserError
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -53,17 +55,22 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0, first, text, use = time.perf_counter(), None, [], {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                use = obj["usage"]
-            elif obj["choices"] and obj["choices"][0]["delta"].get("content"):
-                first = first or time.perf_counter()
-                text.append(obj["choices"][0]["delta"]["content"])
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    use = obj["usage"]
+                elif obj["choices"] and obj["choices"][0]["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    text.append(obj["choices"][0]["delta"]["content"])
+    except httpx.HTTPError as e:
+        raise UserError(f"server {url}: {type(e).__name__}: {e}: is it running, and OpenAI-compatible?") from None
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise UserError(f"server {url} streamed something that is not OpenAI's chat-completion chunks") from None
     end = time.perf_counter()
     return {"text": "".join(text), "tokens": use.get("completion_tokens", 0), "latency_s": end - t0,
             "ttft_s": (first or end) - t0, "tokens_per_call": use.get("redrafter", {}).get("tokens_per_call")}

@@ -232,6 +232,8 @@ def convert(path: str | Path, out: str | Path | None = None, model: str | None =
     check_dtype(dtype)
     if quantize is not None:
         check_quantization(quantize, group_size)
+    if out is not None and not str(out).strip():
+        raise UserError("--out is empty: give the output directory, or leave --out out for ./<name>-mlx")
     given = Path(path).expanduser()
     if is_medusa(given):  # FasterDecoding/Medusa heads: their own layout and output kind
         if quantize is not None:

@@ -69,7 +69,7 @@ class ChatSession:
         self.mode = api.draft_mode(lm, self.options)  # a mode the loaded drafter cannot serve fails here
         self.system = system
         ctx = lm.target.model.args.max_position_embeddings
-        self.max_context = min(max_context, ctx) if max_context else ctx
+        self.max_context = min(max_context, ctx) if max_context is not None else ctx
         if self.max_context < 2 * MIN_ANSWER_ROOM:
             raise UserError(f"--max-context must be at least {2 * MIN_ANSWER_ROOM} tokens (got {self.max_context})")
         self.last: Turn | None = None

@@ -32,38 +32,59 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def _blocking_ancestor(path: Path) -> Path | None:
-    """The nearest existing ancestor of `path` when it is not a directory (a file in the way), else None."""
-    for parent in path.absolute().parents:
-        if parent.exists():
-            return None if parent.is_dir() else parent
-    return None
+def _nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing ancestor."""
+    path = path.absolute()
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path(path.anchor)
 
 
-def _check_parent(path: Path, what: str) -> None:
-    blocker = _blocking_ancestor(path)
-    if blocker is not None:
-        raise UserError(f"{what} {path} cannot be created: {blocker} is a file, not a directory: choose another path")
+def _check_location(path: Path, folder: Path, what: str, probe: bool = True) -> None:
+    """A UserError (naming `path` as `what`) unless `folder` exists or can be made, and (with `probe`) a file can
+    be created in it (checked by creating and removing an empty one: permission bits, read-only mounts and /proc
+    alike)."""
+    base = _nearest_existing(folder)
+    if not base.is_dir():
+        raise UserError(f"{what} {path} cannot be created: {base} is a file, not a directory: choose another path")
+    if not probe:
+        return
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check.", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{what} {path} cannot be written: {base}: {e.strerror or type(e).__name__}; "
+                        "choose a writable location") from None
 
 
-def check_writable_file(path: str | Path, what: str) -> Path:
-    """`path` as a Path, or a one-line UserError (naming it as `what`) unless a file can be written there: not a
-    directory, and no file where one of its parent directories belongs. For the start of a command, before any
-    work."""
-    path = Path(path)
+def _check_named(path: str | Path, what: str) -> Path:
+    if not str(path).strip():
+        raise UserError(f"{what} is empty: give a path")
+    return Path(path)
+
+
+def check_writable_file(path: str | Path, what: str, probe: bool = True) -> Path:
+    """`path` as a Path, or a one-line UserError (naming it as `what`) unless a file can be written there: a
+    non-empty path, not a directory or a device, pipe or socket, in a folder that exists or can be made and (with
+    `probe`) that takes new files. For the start of a command, before any work."""
+    path = _check_named(path, what)
     if path.is_dir():
         raise UserError(f"{what} {path} is a directory: give a file path")
-    _check_parent(path, what)
+    if path.exists() and not path.is_file():
+        raise UserError(f"{what} {path} is not a regular file (a device, pipe or socket): give a file path")
+    _check_location(path, path.parent, what, probe)
     return path
 
 
 def check_writable_dir(path: str | Path, what: str) -> Path:
-    """`path` as a Path, or a one-line UserError (naming it as `what`) unless it is or can become a directory:
-    not a file, and no file where one of its parent directories belongs. For the start of a command."""
-    path = Path(path)
+    """`path` as a Path, or a one-line UserError (naming it as `what`) unless it is or can become a directory
+    that takes new files: a non-empty path, not a file. For the start of a command."""
+    path = _check_named(path, what)
     if path.exists() and not path.is_dir():
         raise UserError(f"{what} {path} is a file: give a directory")
-    _check_parent(path, what)
+    _check_location(path, path, what)
     return path
 
 
@@ -71,7 +92,7 @@ def write_atomic(path: str | Path, data: str | bytes, mode: int = 0o644) -> Path
     """Write `data` to `path` via a temp file in the same directory, fsync, atomic rename and a directory fsync;
     returns the path. A path that cannot be written (a directory, under a file, no permission, a full disk) is a
     one-line UserError, and the temp file is removed."""
-    path = check_writable_file(path, "output file")
+    path = check_writable_file(path, "output file", probe=False)  # the write itself says why it cannot be made
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

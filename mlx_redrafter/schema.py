@@ -85,6 +85,23 @@ def check_option(option: str, value: Any, field: Field) -> Any:
     return value
 
 
+def check_http_url(url: str, option: str, example: str = "http://127.0.0.1:8080/v1") -> str:
+    """`url` without a trailing slash, or a one-line UserError unless it is an http(s) URL with a host and, if
+    it names one, a port from 1 to 65535."""
+    from urllib.parse import urlsplit
+
+    base = url.strip().rstrip("/")
+    try:
+        parts = urlsplit(base)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise UserError(f"{option} must be an http(s) URL with a host and a port from 1 to 65535, such as "
+                        f"{example} (got {shown(url)})")
+    return base
+
+
 def shown(v: Any, limit: int = 60) -> str:
     """repr of a value, cut to `limit` characters (a config value can be a megabyte of text)."""
     r = repr(v)

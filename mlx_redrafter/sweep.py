@@ -146,6 +146,19 @@ def parse_drafts(text: str | None) -> list[str] | None:
     return list(dict.fromkeys(drafts))
 
 
+def check_shapes(widths: list[int], lengths: list[int], draft: str = "auto", max_tokens: int = 128) -> None:
+    """A one-line UserError naming the first (W, L) of the grid that is not a shape to decode with (before any
+    model loads)."""
+    from mlx_redrafter.api import decode_options
+
+    for w, length in product(widths, lengths):
+        try:
+            decode_options(draft=draft, beam_width=w, lookup_width=w, beam_length=length, max_tokens=max_tokens)
+        except UserError as e:
+            raise UserError(f"W = {w}, L = {length} (--widths, --lengths) is not a shape to decode with: {e}"
+                            ) from None
+
+
 def sweep_drafts(text: str | None, drafter_kind: str | None) -> list[str]:
     """The draft modes a sweep measures with a drafter of this kind (None: none loaded): those of --drafts, or by
     default the table's swept rows it can serve (`modes.swept`). A named mode needing another drafter is a

@@ -15,6 +15,7 @@ from one_line import CLI, assert_one_line_error, run
 from mlx_redrafter.train.corpus import FORMAT, shard_bytes
 
 V = 49152  # the embedded default model's vocabulary
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_corpus(root: Path, mutate=None, ids=None) -> Path:
@@ -112,6 +113,20 @@ OUTPUT_CASES = {
     "train --output FILE/x": (lambda t: train(t, "-o", str(t / "afile" / "x")), ["afile is a file"]),
     "distill --corpus FILE": (lambda t: [*CLI, "distill", "--source", "text", "--corpus", str(t / "afile"),
                                          "--nice", "0"], ["--corpus", "is a file"]),
+    "answers --out /dev/null": (lambda t: [*CLI, "answers", "--corpus", str(make_corpus(t / "c").parent), "--out",
+                                           "/dev/null"], ["is not a regular file"]),
+    "quantize SRC /proc/q": (lambda t: [*CLI, "quantize", "smollm2-135m", "/proc/q"], ["/proc/q cannot be written"]),
+    "quantize SRC . --overwrite": (lambda t: [*CLI, "quantize", "smollm2-135m", ".", "--overwrite"],
+                                   ["is the current directory or one above it"]),
+    "quantize SRC '' --overwrite": (lambda t: [*CLI, "quantize", "smollm2-135m", "", "--overwrite"],
+                                    ["is the current directory or one above it"]),
+    "quantize SRC DIR --overwrite": (lambda t: (make_project(t / "proj", False),
+                                                [*CLI, "quantize", "smollm2-135m", str(t / "proj"), "--overwrite"])[1],
+                                     ["holds files but no model"]),
+    "convert --out ''": (lambda t: [sys.executable, "-m", "convert.from_torch",
+                                    str(Path(__file__).parents[1] / "mlx_redrafter/drafters/smollm2-135m"),
+                                    "--out", ""], ["--out is empty"]),
+    "train --run-dir /proc/run": (lambda t: train(t, "--run-dir", "/proc/run"), ["/proc/run cannot be written"]),
 }
 
 
@@ -205,10 +220,33 @@ def test_train_options_out_of_range(tmp_path, option, value, needle):
     (["features", "--threads", "0"], "--threads must be an integer from 1"),
     (["tune", "--force", "--min-speedup", "nan"], "--min-speedup must be a finite number > 0 (got nan)"),
     (["tune", "--force", "--min-speedup", "0"], "--min-speedup must be a finite number > 0 (got 0.0)"),
+    (["tune", "--widths", "0"], "W = 0, L = 2 (--widths, --lengths) is not a shape"),
+    (["tune", "--dtypes", "float32,int8"], "--dtypes must be one of"),
+    (["tune", "--repeats", "0"], "--repeats must be an integer from 1"),
+    (["features", "--shards", "0-99999999999"], "holds more than 100,000 values"),
+    (["distill", "--endpoint", ""], "--endpoint is empty"),
+    (["distill", "--source", "text", "--endpoint", "http://127.0.0.1:9/v1"], "--endpoint makes --source endpoint"),
+    (["distill", "--endpoint", "http://127.0.0.1:99999/v1"], "a port from 1 to 65535"),
+    (["distill", "--source", "text", "--nice", "1000"], "--nice must be an integer from 0 to 19"),
+    (["train", "--init-from", "mlx_redrafter/drafters/smollm2-135m", "--kind", "medusa"],
+     "is a redrafter drafter: leave --kind out"),
+    (["eval-drafter", "--draft", "none"], "--draft none drafts nothing to measure"),
+    (["eval-drafter", "--widths", "1,65"], "W = 65, L = 2 (--widths, --lengths) is not a shape"),
+    (["serve", "--api-key", ""], "--api-key is empty"),
 ])
 def test_data_and_tune_options_out_of_range(tmp_path, args, needle):
     """These used to be accepted silently (a negative count cut the plan from the end; NaN hours never stopped;
     tune measured for half a minute and stored AR)."""
-    extra = ["--corpus", str(tmp_path / "c"), "--nice", "0"] if args[0] == "distill" else []
+    extra = ["--corpus", str(tmp_path / "c")] + ([] if "--nice" in args else ["--nice", "0"]) \
+        if args[0] == "distill" else []
+    args = [str(REPO / a) if a.startswith("mlx_redrafter/") else a for a in args]
     assert_one_line_error(run([*CLI, *args, *extra], tmp_path), needle)
     assert not (tmp_path / "c").exists() and not (tmp_path / "no-tuned.json").exists()
+
+
+def test_features_of_shards_the_corpus_does_not_hold(tmp_path):
+    corpus = make_corpus(tmp_path / "c")
+    p = run([*CLI, "features", "--corpus", str(corpus), "--features", str(tmp_path / "feat"), "--nice", "0",
+             "--shards", "99999"], tmp_path)
+    assert_one_line_error(p, "--shards 99999: no shard of")
+    assert not (tmp_path / "feat").exists()

@@ -103,3 +103,12 @@ def test_chat_has_the_missing_drafter_rule_of_generate():
     for proc in got:
         assert_one_line_error(proc, "--draft rnn+lookup needs a ReDrafter (rnn) drafter, but none is loaded")
     assert got[0].stderr == got[1].stderr
+
+
+def test_a_range_list_too_long_to_hold_is_refused_before_it_is_built():
+    from mlx_redrafter.cmd.common import int_list
+    from mlx_redrafter.errors import UserError
+
+    with pytest.raises(UserError, match="holds more than 100,000 values"):
+        int_list("0-99999999999", "--shards")
+    assert int_list("3,0-2", "--shards") == [0, 1, 2, 3]

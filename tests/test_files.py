@@ -84,3 +84,16 @@ def test_read_json_errors_are_one_line(tmp_path, data, kind, needle):
     p.write_bytes(data)
     with pytest.raises(UserError, match=re.escape(needle)):
         files.read_json(p, "manifest", kind)
+
+
+def test_output_checks_refuse_empty_paths_special_files_and_unwritable_places(tmp_path):
+    with pytest.raises(UserError, match="--out is empty: give a path"):
+        files.check_writable_file("", "--out")
+    with pytest.raises(UserError, match="is not a regular file"):
+        files.check_writable_file("/dev/null", "--out")
+    for check in (files.check_writable_file, files.check_writable_dir):
+        with pytest.raises(UserError, match="/proc/x cannot be written"):
+            check("/proc/x", "--out")
+    assert sorted(tmp_path.iterdir()) == []  # the probe file is gone
+    files.check_writable_dir(tmp_path, "--out")
+    assert sorted(tmp_path.iterdir()) == []

@@ -285,3 +285,71 @@ def test_the_page_streams_an_answer_with_token_origins(server, tmp_path):
         browser.save_screenshot(str(os.environ.get("PAGE_SCREENSHOT", tmp_path / "page.png")))
     finally:
         browser.quit()
+
+
+def test_the_endpoint_source_stores_a_real_servers_greedy_answers(server, lm, tmp_path):
+    """`distill --endpoint`: this project's own server on localhost answers; every stored response is the text
+    the same model decodes greedily (the library's), as token ids, with eos where the answer ended by itself."""
+    from mlx_redrafter.train.corpus import load_shard
+    from mlx_redrafter.train.distill import grow
+    from mlx_redrafter.train.endpoint import EndpointSource
+    from mlx_redrafter.train.plan import Settings
+
+    prompts = ["Name three primary colors.", "What is 7 times 8?", "Say hello in French."]
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt": p, "source": "test"}) + "\n" for p in prompts))
+    settings = Settings(max_new_tokens=16, shard_size=2, heldout=1)
+    src = EndpointSource(lm.target, f"{server}/v1", file, settings, api_key=KEY, concurrency=2)
+    corpus = grow(src, lm.target, tmp_path / "c", progress=False, log=lambda m: None)
+    tok, stored = lm.target.tokenizer, 0
+    for name in sorted(corpus.entries):
+        sh = load_shard(corpus.root / name)
+        for k in range(sh.num_sequences):
+            ids = sh.tokens[sh.offsets[k]:sh.offsets[k + 1]].tolist()
+            plen = int(sh.prompt_len[k])
+            prompt = prompts[src.order[int(sh.prompt_index[k])]]
+            assert ids[:plen] == tok.encode_chat([{"role": "user", "content": prompt}])
+            res = api.generate(lm, prompt, max_tokens=16)
+            ended = res.stats.stop_reason == "eos"
+            assert ids[plen:] == tok.encode(res.text)[:16] + (tok.eos_ids[:1] if ended else [])
+            stored += 1
+    assert stored == len(prompts)
+    assert corpus.manifest["source"] == "endpoint"
+
+
+def test_an_endpoint_answer_without_content_skips_its_prompt(target, tmp_path):
+    """A server that answers `content: null` (a refusal, a tool call) for one prompt: that prompt is counted as
+    skipped, never stored as an empty answer."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from mlx_redrafter.train.distill import grow
+    from mlx_redrafter.train.endpoint import EndpointSource
+    from mlx_redrafter.train.plan import Settings
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            text = None if "French" in body["messages"][0]["content"] else "Fifty-six."
+            data = json.dumps({"choices": [{"message": {"content": text}, "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    remote = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=remote.serve_forever, daemon=True).start()
+    try:
+        file = tmp_path / "prompts.jsonl"
+        file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["What is 7 times 8?", "Hello in French?"]))
+        src = EndpointSource(target, f"http://127.0.0.1:{remote.server_address[1]}/v1", file,
+                             Settings(max_new_tokens=16, shard_size=1, heldout=1))
+        corpus = grow(src, target, tmp_path / "c", progress=False, log=lambda m: None)
+    finally:
+        remote.shutdown()
+    entries = corpus.entries.values()
+    assert sum(e["sequences"] for e in entries) == 1 and sum(e["skipped_prompts"] for e in entries) == 1

@@ -73,6 +73,9 @@ def run_app(app: typer.Typer, argv: list[str] | None, prog: str) -> int:
     return rc if isinstance(rc, int) else 0
 
 
+MAX_LIST_VALUES = 100_000  # values one range of `int_list` may hold (shard indices, widths, layers)
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """Comma-separated integers or inclusive ranges, e.g. "1,2,4" or "0,10-16"; a one-line UserError otherwise."""
     vals: set[int] = set()
@@ -81,6 +84,9 @@ def int_list(text: str, flag: str) -> list[int]:
             lo, sep, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
             if sep and int(hi) < int(lo):
                 raise ValueError(part)
+            if sep and int(hi) - int(lo) >= MAX_LIST_VALUES:
+                raise UserError(f"{flag}: the range {part} holds more than {MAX_LIST_VALUES:,} values; give a "
+                                "shorter one")
             vals.update(range(int(lo), int(hi) + 1) if sep else [int(part)] if part else [])
     except ValueError:
         raise UserError(f"{flag} takes comma-separated integers or ranges, e.g. 1,2,4 or 0,10-16 (got {text!r})"

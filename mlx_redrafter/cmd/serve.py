@@ -41,6 +41,9 @@ def serve(
                             ("--prompt-cache", prompt_cache, 0)):
         if not lo <= value <= 1024:
             raise UserError(f"{name} must be from {lo} to 1024 (got {value})")
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key is empty: give the key clients must send, or leave the option out to serve "
+                        "without one")
     check_address(host, port)  # before the model loads: a port in use fails in a moment, not after the load
     res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
     lm = c.load_model(model, drafter, res)

@@ -30,9 +30,10 @@ def corpus_dir(corpus: Path, model_name: str, source: str) -> Path:
 
 @c.one_line_errors
 def distill(
-    source: str = typer.Option("greedy", help="Where sequences come from: greedy (the target's own answers), "
-                               "text (fixed prompt/response pairs, --responses), endpoint (an OpenAI-compatible "
-                               "server's answers, --endpoint)."),
+    source: str | None = typer.Option(None, help="Where sequences come from: greedy (the target's own answers), "
+                                      "text (fixed prompt/response pairs, --responses), endpoint (an "
+                                      "OpenAI-compatible server's answers, --endpoint) \\[greedy; endpoint with "
+                                      "--endpoint]."),
     prompts: Path = typer.Option(Path("../shared/data/train_prompts.jsonl"), help="JSONL prompts ({\"prompt\", "
                                  "\"source\"} per line) for greedy and endpoint."),
     responses: Path = typer.Option(Path("../shared/data/responses.jsonl"), help="JSONL {\"prompt\", \"response\"} "
@@ -64,11 +65,17 @@ def distill(
     from mlx_redrafter.system.priority import lower_priority
     from mlx_redrafter.train.distill import check_worker, grow
 
-    source = "endpoint" if endpoint else source
+    if endpoint is not None and not endpoint.strip():
+        raise UserError("--endpoint is empty: give the server's base URL, e.g. http://127.0.0.1:8080/v1")
+    if endpoint is not None and source not in (None, "endpoint"):
+        raise UserError(f"--endpoint makes --source endpoint, not {source}: drop one of the two")
+    source = source or ("endpoint" if endpoint else "greedy")
     if source not in SOURCES:
         raise UserError(f"--source must be one of {', '.join(SOURCES)} (got {source!r})")
     if source == "endpoint" and not endpoint:
         raise UserError("--source endpoint needs --endpoint URL (e.g. http://127.0.0.1:8080/v1)")
+    check_option("--concurrency", concurrency, Field("", int, 1, 256))
+    check_option("--nice", nice, Field("", int, 0, 19))
     i, n = check_worker(worker)
     check_option("--shards", shards, Field("", int, 1, None))
     check_option("--hours", hours, Field("", float, hi=1e6, positive=True))
@@ -133,9 +140,14 @@ def features(
     roots = corpus or sorted(p for p in DEFAULT_CORPUS.glob(f"{target.name}*") if (p / "manifest.json").exists())
     if not roots:
         raise UserError(f"no corpus of {target.name} under {DEFAULT_CORPUS}: run `make distill` first")
+    chosen = []
     for root in roots:
         c_ = open_corpus(root, target.model.args.vocab_size)
-        names = sorted(x for x in c_.entries if only is None or shard_index(x) in only)
+        chosen.append((c_, sorted(x for x in c_.entries if only is None or shard_index(x) in only)))
+    if only is not None and not any(names for _, names in chosen):
+        raise UserError(f"--shards {shards}: no shard of {', '.join(map(str, roots))} has one of these plan indices: "
+                        "list the shard numbers of data/corpus/<model>/shard-NNNNN.npz (e.g. --shards 1-9)")
+    for c_, names in chosen:
         ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, names, worker=(i, n),
                log=lambda m: typer.echo(m, err=True), layers=layers)
 
@@ -179,8 +191,9 @@ def train(
                                        "to replace the shipped one, mlx_redrafter/drafters/<model>]."),
     run_dir: Path | None = typer.Option(None, help="Checkpoints and history (resumable) [runs/drafter, other kinds: "
                                         "runs/drafter-KIND]."),
-    kind: str = typer.Option(TrainConfig.kind, "--kind", help="Drafter kind: redrafter, medusa, semi_ar_transformer "
-                             "or semi_ar_lstm (same data, loss and budget)."),
+    kind: str | None = typer.Option(None, "--kind", help="Drafter kind: redrafter, medusa, semi_ar_transformer "
+                                    "or semi_ar_lstm (same data, loss and budget) \\[redrafter, or the --init-from "
+                                    "drafter's]."),
     corpus_tokens: int | None = typer.Option(None, help="Train on each corpus' first N response tokens only "
                                              "[with no --shards: STEPS x BATCH, what the run's steps read once]."),
     shards: str | None = typer.Option(None, help="Train only on the shards with these plan indices, e.g. 10-32 "
@@ -224,24 +237,33 @@ def train(
     import time
 
     from mlx_redrafter.models.loader import load_target
-    from mlx_redrafter.train.kinds import DRAFT_MODE
+    from mlx_redrafter.train.kinds import DRAFT_MODE, check_kind, kind_of_config
     from mlx_redrafter.train.loop import planned_layers, train_drafter
     from mlx_redrafter.train.pipeline import model_card, prepare, save_shipped
 
-    cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
-                      labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
-                      feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
-                      kind=kind, init_from=str(init_from) if init_from is not None else None,
-                      feature_layers=feature_layer_list(feature_layers),
-                      ).check()
+    if kind is not None:
+        check_kind(kind)
     if init_from is not None:
         from mlx_redrafter.draft.kinds import check_drafter_config
+        from mlx_redrafter.files import read_json
 
         try:
             check_drafter_config(init_from)
         except UserError as e:
             raise UserError(f"--init-from {init_from} is not a drafter folder ({e}): give the folder of a drafter, "
                             f"e.g. mlx_redrafter/drafters/<model>") from None
+        has = kind_of_config(read_json(init_from / "config.json", "drafter config"))
+        if kind is not None and kind != has:
+            raise UserError(f"--kind {kind}, but --init-from {init_from} is a {has} drafter: leave --kind out, or "
+                            f"start from a {kind} drafter")
+        kind = has
+    kind = kind or TrainConfig.kind
+    cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
+                      labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
+                      feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
+                      kind=kind, init_from=str(init_from) if init_from is not None else None,
+                      feature_layers=feature_layer_list(feature_layers),
+                      ).check()
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
     only = c.int_list(shards, "--shards") if shards is not None else None
     check_option("--eval-prompts", eval_prompts, Field("", int, 0, 100_000))

@@ -11,6 +11,7 @@ import typer
 from mlx_redrafter.cmd import common as c
 from mlx_redrafter.defaults import TUNE_GRID, TUNE_MIN_SPEEDUP, TUNE_MIN_TOKENS_PER_STEP
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.models.loader import DTYPE_CHOICES
 from mlx_redrafter.schema import Field, check_option
 
 
@@ -49,14 +50,19 @@ def tune(
     if max_tokens < 2:
         raise UserError(f"--max-tokens must be >= 2 (got {max_tokens})")
     check_option("--min-speedup", min_speedup, Field("", float, positive=True))
+    check_option("--num-prompts", num_prompts, Field("", int, 1, 100_000))
+    check_option("--repeats", repeats, Field("", int, 1, 1_000))
+    for d in dtype_list:
+        check_option("--dtypes", d, Field("", str, choices=DTYPE_CHOICES))
     sweep.parse_drafts(drafts)  # bad input fails now, not after loading the model
+    sweep.check_shapes(grid_w, grid_l, max_tokens=max_tokens)
     tuning.read_all()  # a corrupt tuned file too, not after the measurement
+    prompts = first_turns(prompts_file, num_prompts, spread=True)
     now = machine_now()
     if not now["quiet"] and not force:
         _refuse(now["reasons"])
     rows: list[dict[str, Any]] = []
     states: list[dict[str, Any]] = []
-    prompts = first_turns(prompts_file, num_prompts, spread=True)
     for dtype in dtype_list:
         lm = api.load(model, drafter, dtype)
         modes = sweep.sweep_drafts(drafts, lm.drafter_kind)

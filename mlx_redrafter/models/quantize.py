@@ -108,8 +108,17 @@ def quantize(src: str, dst: str | Path, bits: int = 4, group_size: int = 64, dty
     """Quantize model `src` into the mlx-lm directory `dst`; returns a summary. Never leaves a partial `dst`."""
     check_args(bits, group_size, dtype)
     dst = Path(dst).expanduser()
-    if dst.exists() and not (overwrite and dst.is_dir()):
+    here = Path.cwd().resolve()
+    if not str(dst).strip() or dst.resolve() in (here, *here.parents):
+        raise UserError(f"output directory {str(dst)!r} is the current directory or one above it: name a new "
+                        "directory")
+    if dst.exists() and not dst.is_dir():
+        raise UserError(f"output directory {dst} is a file: choose a new directory")
+    if dst.exists() and not overwrite:
         raise UserError(f"{dst} already exists: choose a new directory or pass --overwrite")
+    if dst.exists() and any(dst.iterdir()) and not (dst / "config.json").is_file():
+        raise UserError(f"{dst} holds files but no model (no config.json): --overwrite replaces only a model "
+                        "directory; choose a new directory")
     check_writable_dir(dst, "output directory")
     name, path = resolve_model(src)
     cfg, weights, quant, tokenizer = read_checkpoint(path)

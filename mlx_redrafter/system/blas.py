@@ -152,6 +152,10 @@ def _cpu_has_kernel_features() -> bool:
     return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
+SMALL_GEMM_SYMBOLS = ("redrafter_gemm_version", "redrafter_gemm_enable", "redrafter_gemm_init",
+                      "redrafter_gemm_set_threads", "redrafter_gemm_use_avx512", "redrafter_gemm_calls")
+
+
 def _load_small_gemm() -> str:
     """Load the small-product library ahead of the BLAS (x86-64 Linux); returns why it is not loaded ('' if it is)."""
     global _small
@@ -165,6 +169,10 @@ def _load_small_gemm() -> str:
     except OSError as e:
         _small = None
         return f"its library {path} does not load ({e})"
+    missing = [name for name in SMALL_GEMM_SYMBOLS if not hasattr(_small, name)]
+    if missing:  # another library than ours (REDRAFTER_SMALL_GEMM_LIB), or a build from another version
+        _small = None
+        return f"its library {path} is not the small-GEMM kernel (it lacks {', '.join(missing)})"
     return ""
 
 

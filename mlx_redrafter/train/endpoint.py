@@ -19,6 +19,7 @@ from typing import Any
 
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.models.loader import Target
+from mlx_redrafter.schema import check_http_url
 from mlx_redrafter.train.corpus import Corpus, sha256_file
 from mlx_redrafter.train.distill import Made
 from mlx_redrafter.train.plan import LICENSES, Job, Settings, plan_jobs, plan_order
@@ -26,9 +27,7 @@ from mlx_redrafter.train.plan import LICENSES, Job, Settings, plan_jobs, plan_or
 
 def chat_url(base: str) -> str:
     """The chat-completions URL of an endpoint given as its base (http://host:port or .../v1)."""
-    base = base.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise UserError(f"--endpoint must be an http(s) URL such as http://127.0.0.1:8080/v1 (got {base!r})")
+    base = check_http_url(base, "--endpoint")
     if base.endswith("/chat/completions"):
         return base
     return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
@@ -104,6 +103,9 @@ class EndpointSource:
 
         def one(r: int) -> tuple[int, list[int]]:
             text, ended = ask(self.url, self.model, prompts[r], s.max_new_tokens, self.api_key)
+            if not text.strip():  # no answer (null or blank content): the prompt is skipped, not stored as one
+                progress(1, 0)
+                return r, []
             answer = tok.encode(text)[: s.max_new_tokens] + (tok.eos_ids[:1] if ended else [])
             progress(1, len(answer))
             return r, answer

@@ -32,7 +32,11 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
     """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates.
     `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report."""
     from mlx_redrafter import api
+    from mlx_redrafter.sweep import check_shapes
 
+    if draft == "none":
+        raise UserError(f"--draft {draft} drafts nothing to measure: give a drafting mode, e.g. rnn")
+    check_shapes(widths, lengths, draft, max_tokens)  # before the model loads and any shape runs
     lm = api.load(model, drafter_spec, "float32")
     api.draft_mode(lm, api.decode_options(draft=draft))  # a drafter this mode cannot use: one line, now
     ids = [api.encode_prompt(lm, p) for p in prompts]

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_redrafter.draft import medusa, semi_ar
 from mlx_redrafter.draft.medusa import MedusaArgs, MedusaHeads
 from mlx_redrafter.draft.semi_ar import SemiARArgs, SemiARDrafter
 from mlx_redrafter.errors import UserError
@@ -43,6 +44,16 @@ def kind_of(drafter: Any) -> str:
         return "medusa"
     if isinstance(drafter, SemiARDrafter):
         return f"semi_ar_{drafter.args.tlm}"
+    return "redrafter"
+
+
+def kind_of_config(cfg: dict) -> str:
+    """The trainer kind of a drafter config (its config.json as a dict)."""
+    model_type = cfg.get("model_type")
+    if model_type == medusa.MODEL_TYPE:
+        return "medusa"
+    if model_type == semi_ar.MODEL_TYPE:
+        return f"semi_ar_{cfg.get('tlm', 'transformer')}"
     return "redrafter"
 
 
