@@ -63,6 +63,9 @@ def test_corrupt_and_empty_model_files(tmp_path):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a model at all")
     assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(garbage)), "cannot read GGUF")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a model at all")
+    assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(weights)), "is one file of a checkpoint")
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     assert_one_line_error(run_cli("generate", "-p", "hi", "--model", str(empty)), "empty")
@@ -112,3 +115,8 @@ def test_a_range_list_too_long_to_hold_is_refused_before_it_is_built():
     with pytest.raises(UserError, match="holds more than 100,000 values"):
         int_list("0-99999999999", "--shards")
     assert int_list("3,0-2", "--shards") == [0, 1, 2, 3]
+    for bad in ("2,,3", "1,2,", "x"):
+        with pytest.raises(UserError, match="takes comma-separated integers"):
+            int_list(bad, "--lengths")
+    with pytest.raises(UserError, match="--lengths is empty"):
+        int_list(" ", "--lengths")

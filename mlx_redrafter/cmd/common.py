@@ -79,6 +79,8 @@ MAX_LIST_VALUES = 100_000  # values one range of `int_list` may hold (shard indi
 def int_list(text: str, flag: str) -> list[int]:
     """Comma-separated integers or inclusive ranges, e.g. "1,2,4" or "0,10-16"; a one-line UserError otherwise."""
     vals: set[int] = set()
+    if not text.strip():
+        raise UserError(f"{flag} is empty")
     try:
         for part in (x.strip() for x in text.split(",")):
             lo, sep, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
@@ -87,12 +89,10 @@ def int_list(text: str, flag: str) -> list[int]:
             if sep and int(hi) - int(lo) >= MAX_LIST_VALUES:
                 raise UserError(f"{flag}: the range {part} holds more than {MAX_LIST_VALUES:,} values; give a "
                                 "shorter one")
-            vals.update(range(int(lo), int(hi) + 1) if sep else [int(part)] if part else [])
+            vals.update(range(int(lo), int(hi) + 1) if sep else [int(part)])  # an empty item: int('') fails
     except ValueError:
         raise UserError(f"{flag} takes comma-separated integers or ranges, e.g. 1,2,4 or 0,10-16 (got {text!r})"
                         ) from None
-    if not vals:
-        raise UserError(f"{flag} is empty")
     return sorted(vals)
 
 

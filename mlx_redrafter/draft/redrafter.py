@@ -406,7 +406,9 @@ def load_weights_into(module: nn.Module, weights_file: Path, dtype: mx.Dtype | N
     try:
         module.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        detail = str(e).splitlines()[0]
+        detail = " ".join(str(e).split())  # MLX lists the names on the lines after the first
+        if len(detail) > 300:
+            detail = detail[:300] + " ..."
         raise UserError(f"drafter weights {weights_file} do not match its config.json: {detail}") from None
     if "draft_vocab" in module:
         check_id_array(module.draft_vocab, module.args.vocab_size, f"drafter weights {weights_file}: draft_vocab")

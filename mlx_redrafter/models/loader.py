@@ -187,6 +187,9 @@ def read_checkpoint(path: Path) -> tuple[dict, dict[str, mx.array], dict[str, di
         return _load_dir(path)
     if path.stat().st_size == 0:
         raise UserError(f"model file {path} is empty")
+    if path.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth", ".npz"):
+        raise UserError(f"model file {path} is one file of a checkpoint: give the directory that holds it with its "
+                        "config.json and tokenizer (an mlx-lm or Hugging Face folder), or a .gguf file")
     tensors, meta, cfg = read_gguf(path)
     weights, quant = gguf_weights(tensors, cfg)
     return cfg, weights, quant, TextTokenizer.from_gguf_metadata(meta, f"GGUF file {path}")

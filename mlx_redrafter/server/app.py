@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlx_redrafter import api
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.options import DecodeOptions
+from mlx_redrafter.schema import shown
 from mlx_redrafter.server import protocol
 from mlx_redrafter.server.protocol import ApiError
 from mlx_redrafter.server.scheduler import Event, Job, Scheduler
@@ -72,7 +73,7 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str) -> dict[str, Any]:
         if model_id != served:
-            raise ApiError(404, f"model {model_id!r} is not served here; this server serves {served!r}", "model",
+            raise ApiError(404, f"model {shown(model_id)} is not served here; this server serves {served!r}", "model",
                            "not_found_error")
         return model
 

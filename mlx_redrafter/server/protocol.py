@@ -14,6 +14,7 @@ from typing import Any
 
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.options import DecodeOptions
+from mlx_redrafter.schema import shown
 
 # Request fields that select how to decode, by their flat option names (draft modes, shapes, sampling).
 DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup", "lookup_max_length",
@@ -79,7 +80,7 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
     if model not in (served, "default"):
-        raise ApiError(404, f"model {model!r} is not served here; this server serves {served!r}", "model",
+        raise ApiError(404, f"model {shown(model)} is not served here; this server serves {served!r}", "model",
                        "not_found_error")
     for name, unused in UNSUPPORTED.items():
         if name in body and body[name] not in (unused, None):
@@ -123,7 +124,8 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+                raise _bad(f"messages[{i}].content: every part must be {{\"type\": \"text\", \"text\": "
+                           "a string}} (only text parts are supported)", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages")
