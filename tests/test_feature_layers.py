@@ -181,7 +181,7 @@ def test_the_cpu_trainer_trains_a_fused_drafter_on_features_with_its_layers(fuse
     save_drafter(random_medusa(576, 49152, seed=1, draft_vocab_size=512), medusa)
     proc = run(train(tmp_path, "-o", str(tmp_path / "other"), "--init-from", str(medusa), "--feature-layers", "2",
                      "--restart"), tmp_path)
-    assert_one_line_error(proc, "for recurrent drafters")
+    assert_one_line_error(proc, "--feature-layers is for the recurrent drafter")
     for args in (["--init-from", str(folder), "--feature-layers", "3,4", "--restart"],  # not the start's layers
                  ["--feature-layers", "3,4"],  # not the checkpoint's
                  ["--feature-layers", "2,30", "--restart"]):  # the target has layers 0-29
