@@ -218,6 +218,29 @@ def test_a_grown_drafter_drafts_what_it_grew_from():
         assert torch.equal(g.logits(h, s), d.logits(h, s))
 
 
+def test_a_drafter_grown_to_a_wider_head_keeps_its_rows_and_adds_the_most_decided_tokens():
+    import numpy as np
+    import torch
+
+    from bench.torch_ref.cuda_job import VARIANTS, grown
+    from bench.torch_ref.drafter import TorchDrafter
+
+    cfg = {"model_type": "recurrent_drafting_drafter", "vocab_size": 40, "hidden_size": 16, "exit_dim": 12,
+           "num_draft_layers": 2, "rnn": True, "num_lookback_tokens": 1, "draft_vocab_size": 8}
+    torch.manual_seed(0)
+    d = TorchDrafter(cfg).float().eval()
+    d.draft_vocab.copy_(torch.tensor([3, 7, 1, 20, 5, 9, 11, 2]))
+    counts = np.zeros(40)
+    counts[[30, 4, 7]] = [9, 5, 100]
+    target_rows = np.random.default_rng(0).standard_normal((40, 16)).astype(np.float32)
+    assert VARIANTS["soft-fuse3-wide"].head_rows == 16384
+    w, grown_cfg = grown(d.state_dict(), d.cfg, head_rows=10, counts=counts, target_rows=target_rows)
+    g = TorchDrafter(grown_cfg)
+    g.load_state_dict({k: (t.long() if k == "draft_vocab" else t.float()) for k, t in w.items()}, strict=True)
+    assert grown_cfg["draft_vocab_size"] == 10 and g.draft_vocab.tolist() == [3, 7, 1, 20, 5, 9, 11, 2, 30, 4]
+    assert torch.equal(w["lm_head.2.weight"][:8], d.state_dict()["lm_head.2.weight"])
+
+
 def test_a_drafter_grown_to_fuse_tapped_layers_starts_as_it_was():
     import torch
 

@@ -220,6 +220,10 @@ def train(
     feature_layers: str | None = typer.Option(None, "--feature-layers", help="Target layers whose states the "
                                               "drafter fuses with the last one, e.g. 2,15,24 (EAGLE-3 style; the "
                                               "features then hold them too) [none, or the --init-from drafter's]."),
+    head_rows: int | None = typer.Option(None, "--head-rows", help="With --init-from: grow its head to this many "
+                                         "rows, adding the tokens the target decides most often in the training "
+                                         "data that it lacks (each starting from the target's own output row) "
+                                         "[its own rows]."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from RUN_DIR/checkpoint."),
     float16: bool = typer.Option(True, "--float16/--float32", help="Storage dtype of the saved weights."),
     eval_prompts: int = typer.Option(0, help="Also measure tokens per target call on this many held-out prompts."),
@@ -238,7 +242,7 @@ def train(
 
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.train.kinds import DRAFT_MODE, check_kind, kind_of_config
-    from mlx_redrafter.train.loop import planned_layers, train_drafter
+    from mlx_redrafter.train.loop import check_head_rows, planned_layers, train_drafter
     from mlx_redrafter.train.pipeline import model_card, prepare, save_shipped
 
     if kind is not None:
@@ -252,17 +256,20 @@ def train(
         except UserError as e:
             raise UserError(f"--init-from {init_from} is not a drafter folder ({e}): give the folder of a drafter, "
                             f"e.g. mlx_redrafter/drafters/<model>") from None
-        has = kind_of_config(read_json(init_from / "config.json", "drafter config"))
+        start = read_json(init_from / "config.json", "drafter config")
+        has = kind_of_config(start)
         if kind is not None and kind != has:
             raise UserError(f"--kind {kind}, but --init-from {init_from} is a {has} drafter: leave --kind out, or "
                             f"start from a {kind} drafter")
         kind = has
+        if head_rows is not None and kind == "redrafter":
+            check_head_rows(head_rows, start.get("draft_vocab_size"))
     kind = kind or TrainConfig.kind
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
                       feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
                       kind=kind, init_from=str(init_from) if init_from is not None else None,
-                      feature_layers=feature_layer_list(feature_layers),
+                      feature_layers=feature_layer_list(feature_layers), head_rows=head_rows,
                       ).check()
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
     only = c.int_list(shards, "--shards") if shards is not None else None

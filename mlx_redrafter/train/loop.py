@@ -15,6 +15,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlx_redrafter.draft.head_rows import grow_head
 from mlx_redrafter.draft.kinds import load_any_drafter
 from mlx_redrafter.draft.redrafter import (
     MODEL_TYPE,
@@ -62,12 +63,13 @@ class TrainConfig:
     sources: tuple[str, ...] = ("greedy",)  # corpora trained on by default (cmd/train.py corpus_dir)
     init_from: str | None = None  # start from this drafter's weights (same shape), e.g. a first training stage
     feature_layers: tuple[int, ...] = ()  # target layers fused into the context besides the last (EAGLE-3 style)
+    head_rows: int | None = None  # with init_from: grow its head to this many rows (draft/head_rows.py)
 
     def check(self) -> TrainConfig:
         """Itself, or a one-line UserError naming the first setting out of range (by its `redrafter-mlx train`
         option where it has one); for before any work."""
         for name, option, field in CONFIG_FIELDS:
-            if getattr(self, name) is None and name != "init_from":
+            if getattr(self, name) is None and name not in ("init_from", "head_rows"):
                 raise UserError(f"{option} must be {field.expected()} (got None)")
             check_option(option, getattr(self, name), field)
         check_kind(self.kind)
@@ -75,6 +77,9 @@ class TrainConfig:
             check_feature_layers(list(self.feature_layers), "--feature-layers")
             if self.kind != "redrafter":
                 raise UserError(f"--feature-layers is for the recurrent drafter (--kind redrafter), not {self.kind}")
+        if self.head_rows is not None and (self.init_from is None or self.kind != "redrafter"):
+            raise UserError("--head-rows grows the head of a recurrent drafter given by --init-from: pass one (a "
+                            "fresh drafter's head has --draft-vocab rows)")
         return self
 
 
@@ -101,6 +106,7 @@ CONFIG_FIELDS: tuple[tuple[str, str, Field], ...] = (
     ("seed", "--seed", Field("", int, 0, 2**32 - 1)),
     ("kind", "--kind", Field("", str)),
     ("init_from", "init_from", Field("", str)),
+    ("head_rows", "--head-rows", Field("", int, 1, MAX_VOCAB)),
 )
 
 
@@ -150,6 +156,32 @@ def with_feature_layers(drafter: Drafter, layers: tuple[int, ...]) -> Drafter:
     drafter.args.feature_layers = list(layers)
     drafter.fuse = nn.Linear(H * (1 + len(layers)), H, bias=False)
     drafter.fuse.weight = mx.concatenate([mx.eye(H), mx.zeros((H, H * len(layers)))], axis=1)
+    return drafter
+
+
+def check_head_rows(rows: int, have: int | None) -> None:
+    """One-line UserError unless a head of `have` draft-vocabulary rows (None: the whole vocabulary) can grow to
+    `rows`."""
+    if not have:
+        raise UserError("--head-rows needs a drafter whose head has a draft vocabulary (draft_vocab_size)")
+    if rows < have:
+        raise UserError(f"--head-rows {rows} is fewer than the {have} rows the drafter's head has: a head only grows")
+
+
+def with_head_rows(drafter: Drafter, rows: int, train: Examples, target: Target) -> Drafter:
+    """`drafter` with its head grown to `rows` rows by the target decisions of `train` it lacks, most frequent first
+    (`draft.head_rows.grow_head`); one-line UserError for a head without a draft vocabulary or with more rows."""
+    check_head_rows(rows, drafter.args.draft_vocab_size)
+    head = drafter.lm_head[-1]
+    if "scales" in head:
+        raise UserError("--head-rows grows a float head, and this drafter's is quantized: start from a float one")
+    counts = np.bincount(train.top_ids[:, 0], minlength=drafter.args.vocab_size)
+    w, vocab = grow_head(np.array(head.weight.astype(mx.float32)), np.array(drafter.draft_vocab), np.array(
+        target.model.output_weight().astype(mx.float32)), counts, rows)
+    head.weight = mx.array(w).astype(head.weight.dtype)
+    drafter.draft_vocab = mx.array(vocab, dtype=mx.int32)
+    drafter.args.draft_vocab_size = rows
+    mx.eval(head.weight, drafter.draft_vocab)
     return drafter
 
 
@@ -273,6 +305,9 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
         check_compatible(drafter.args, margs.hidden_size, margs.vocab_size, cfg.init_from)
         if kind_of(drafter) == "redrafter":  # (planned_layers refused feature layers for the other kinds)
             drafter = with_feature_layers(drafter, cfg.feature_layers)
+            if cfg.head_rows is not None:
+                drafter = with_head_rows(drafter, cfg.head_rows, train, target)
+                log(f"head grown to {drafter.args.draft_vocab_size} rows")
         log(f"starting from the weights of {cfg.init_from}")
     else:
         vocab = draft_vocabulary(train, cfg.draft_vocab_size, margs.vocab_size, target.tokenizer.eos_ids)
