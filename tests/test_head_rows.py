@@ -47,7 +47,8 @@ def test_the_cpu_trainer_grows_the_head_of_the_drafter_it_starts_from(tmp_path):
     old = np.array(before.draft_vocab)
     new = np.array(after.draft_vocab)
     assert np.array_equal(new[:8192], old) and not set(new[8192:].tolist()) & set(old.tolist())
-    for args, needle in ((["--head-rows", "100"], "fewer than the 8192 rows"),
+    for args, needle in ((["--head-rows", "100"], "--head-rows must be from the 8192 rows"),
+                         (["--head-rows", "50000"], "to its vocabulary's 49152 (got 50000)"),
                          (["--head-rows", "9000", "--kind", "medusa"], "is a redrafter drafter")):
         p = run(train(tmp_path, "-o", str(tmp_path / "o2"), "--init-from", str(shipped), "--restart", *args),
                 tmp_path)

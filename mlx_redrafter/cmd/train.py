@@ -263,7 +263,7 @@ def train(
                             f"start from a {kind} drafter")
         kind = has
         if head_rows is not None and kind == "redrafter":
-            check_head_rows(head_rows, start.get("draft_vocab_size"))
+            check_head_rows(head_rows, start.get("draft_vocab_size"), start["vocab_size"])
     kind = kind or TrainConfig.kind
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,

@@ -159,19 +159,20 @@ def with_feature_layers(drafter: Drafter, layers: tuple[int, ...]) -> Drafter:
     return drafter
 
 
-def check_head_rows(rows: int, have: int | None) -> None:
-    """One-line UserError unless a head of `have` draft-vocabulary rows (None: the whole vocabulary) can grow to
-    `rows`."""
+def check_head_rows(rows: int, have: int | None, vocab_size: int) -> None:
+    """One-line UserError unless a head of `have` draft-vocabulary rows (None: the whole vocabulary) of a
+    `vocab_size`-token vocabulary can grow to `rows`."""
     if not have:
         raise UserError("--head-rows needs a drafter whose head has a draft vocabulary (draft_vocab_size)")
-    if rows < have:
-        raise UserError(f"--head-rows {rows} is fewer than the {have} rows the drafter's head has: a head only grows")
+    if not have <= rows <= vocab_size:
+        raise UserError(f"--head-rows must be from the {have} rows the drafter's head has (a head only grows) to its "
+                        f"vocabulary's {vocab_size} (got {rows})")
 
 
 def with_head_rows(drafter: Drafter, rows: int, train: Examples, target: Target) -> Drafter:
     """`drafter` with its head grown to `rows` rows by the target decisions of `train` it lacks, most frequent first
     (`draft.head_rows.grow_head`); one-line UserError for a head without a draft vocabulary or with more rows."""
-    check_head_rows(rows, drafter.args.draft_vocab_size)
+    check_head_rows(rows, drafter.args.draft_vocab_size, drafter.args.vocab_size)
     head = drafter.lm_head[-1]
     if "scales" in head:
         raise UserError("--head-rows grows a float head, and this drafter's is quantized: start from a float one")
