@@ -51,9 +51,9 @@ def _check_location(path: Path, folder: Path, what: str, probe: bool = True) -> 
     if not probe:
         return
     try:
-        fd, probe = tempfile.mkstemp(prefix=".write-check.", dir=base)
+        fd, scratch = tempfile.mkstemp(prefix=".write-check.", dir=base)
         os.close(fd)
-        os.unlink(probe)
+        os.unlink(scratch)
     except OSError as e:
         raise UserError(f"{what} {path} cannot be written: {base}: {e.strerror or type(e).__name__}; "
                         "choose a writable location") from None

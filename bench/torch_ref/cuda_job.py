@@ -820,14 +820,14 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
         dv = models[v].draft_vocab  # label -> head row (-1: not in the head)
         luts[v] = torch.full((base_cfg["vocab_size"],), -1, dtype=torch.long, device=device)
         luts[v][dv] = torch.arange(len(dv), device=device)
-    lut = luts[variants[0]]
     report: dict[str, Any] = {"batch": batch, "lr": lr, "T": T, "init": str(init or drafter_dir),
                               "train_starts": len(train_f), "greedy_starts": n_greedy,
                               "train_sequences": train_f.sequences, "heldout_contexts": len(held_f),
                               "head_coverage": {v: float((luts[v][train_f.top_ids[:, 0].long()] >= 0).float()
                                                          .mean()) for v in variants},
                               "variants": {v: {**vars(VARIANTS[v]), "config": cfgs[v]} for v in variants},
-                              "before": evaluate(models[variants[0]], embed, held_f, lut, T), "history": []}
+                              "before": evaluate(models[variants[0]], embed, held_f, luts[variants[0]], T),
+                              "history": []}
     _log(f"train: {len(train_f)} starts ({n_greedy} greedy, {train_f.sequences} sequences); "
          f"before: {report['before']}", t0)
 

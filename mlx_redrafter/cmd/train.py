@@ -74,7 +74,6 @@ def distill(
         raise UserError(f"--source must be one of {', '.join(SOURCES)} (got {source!r})")
     if source == "endpoint" and not endpoint:
         raise UserError("--source endpoint needs --endpoint URL (e.g. http://127.0.0.1:8080/v1)")
-    check_option("--concurrency", concurrency, Field("", int, 1, 256))
     check_option("--nice", nice, Field("", int, 0, 19))
     i, n = check_worker(worker)
     check_option("--shards", shards, Field("", int, 1, None))

@@ -19,7 +19,7 @@ from typing import Any
 
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.models.loader import Target
-from mlx_redrafter.schema import check_http_url
+from mlx_redrafter.schema import Field, check_http_url, check_option
 from mlx_redrafter.train.corpus import Corpus, sha256_file
 from mlx_redrafter.train.distill import Made
 from mlx_redrafter.train.plan import LICENSES, Job, Settings, plan_jobs, plan_order
@@ -69,8 +69,7 @@ class EndpointSource:
                  model: str | None = None, api_key: str | None = None, concurrency: int = 4):
         from mlx_redrafter.prompts import read_prompts
 
-        if concurrency < 1:
-            raise UserError(f"--concurrency must be >= 1 (got {concurrency})")
+        check_option("--concurrency", concurrency, Field("", int, 1, 256))
         self.target, self.settings = target, settings or Settings()
         self.url, self.model, self.api_key, self.concurrency = chat_url(url), model, api_key, concurrency
         self.prompts_file = Path(prompts_file)
