@@ -40,11 +40,7 @@ def check_kind(kind: str) -> None:
 
 def kind_of(drafter: Any) -> str:
     """The trainer kind of a drafter object (for resuming a run of the same kind)."""
-    if isinstance(drafter, MedusaHeads):
-        return "medusa"
-    if isinstance(drafter, SemiARDrafter):
-        return f"semi_ar_{drafter.args.tlm}"
-    return "redrafter"
+    return kind_of_config({"model_type": drafter.args.model_type, "tlm": getattr(drafter.args, "tlm", None)})
 
 
 def kind_of_config(cfg: dict) -> str:
