@@ -204,14 +204,13 @@ class PackedWeights:
     @staticmethod
     def supported(bits: int, group_size: int) -> bool:
         """4- or 8-bit, groups of a multiple of 16 values, and a kernel whose sums have the float32 products' order
-        (AVX-512: the small-GEMM kernel's; elsewhere the BLAS may sum in another order past a few rows)."""
-        return (bits in (4, 8) and group_size % 16 == 0 and packed_linear.usable()
-                and packed_linear.KERNEL.isa == "avx512")
+        (the small-GEMM kernel's, AVX-512 or AVX2, up to `packed_linear.max_rows()` rows)."""
+        return bits in (4, 8) and group_size % 16 == 0 and packed_linear.max_rows() > 0
 
     @staticmethod
     def takes(x: mx.array) -> bool:
         """Whether a product of x (..., K) reads the packed weight: few rows (a prefill's arithmetic dominates)."""
-        return packed_linear.usable() and math.prod(x.shape[:-1]) <= packed_linear.MAX_ROWS
+        return math.prod(x.shape[:-1]) <= packed_linear.max_rows()
 
     def __call__(self, x: mx.array) -> mx.array:
         return packed_linear.quantized_product(x, self.weight, self.scales, self.biases, self.bits, self.group_size)

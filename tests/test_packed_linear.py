@@ -18,11 +18,14 @@ from mlx_redrafter.draft.redrafter import FrequentHead, load_drafter, random_dra
 from mlx_redrafter.models.loader import load_target
 from mlx_redrafter.shipped import shipped_drafter_path
 from mlx_redrafter.system import packed_linear
-from mlx_redrafter.system.blas import status
+from mlx_redrafter.system.blas import small_gemm_avx2, status
 
 # conftest installed the BLAS (and, with the switch on, loaded the kernel) before this module imported mlx.core.
 KERNEL = packed_linear.KERNEL
 EXPECTED = KERNEL.expected
+# Rows up to which the small-GEMM kernel computes float32 products, by variant (csrc/smallgemm.c): up to them a
+# product from packed weights has the float32 product's bits.
+SAME_BITS_ROWS = {"avx512": 1 << 30, "avx2": 128}
 
 
 @pytest.fixture
@@ -61,8 +64,9 @@ def test_matches_the_float32_product(kernel, isa, M, N, K, bias):
         y = kernel.half_product(x, w, b)
     got = np.array(y)
     assert got.shape == (M, N) and np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
-    if used == "avx512" and K % 16 == 0:  # sums in the small-GEMM kernel's order: the same bits, any M
-        f32 = x @ w.astype(mx.float32).T
+    if K % 16 == 0 and M <= SAME_BITS_ROWS.get(used, 0):  # the small-GEMM kernel's order: the same bits
+        with _small_gemm_like(used):
+            f32 = x @ w.astype(mx.float32).T
         assert mx.array_equal(y, f32 + b if bias else f32).item()
 
 
@@ -139,19 +143,25 @@ def test_quantized_products_are_the_float32_products_of_the_dequantized_weights(
     q, scales, biases = mx.quantize(w, group_size=group, bits=bits)  # float16 scales and biases, as in a GGUF
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     x = mx.array(rng.standard_normal((M, 256), dtype=np.float32))
-    want = x @ mx.dequantize(q, scales, biases, group_size=group, bits=bits).T
-    with KERNEL.use_isa(isa) as used:
+    with KERNEL.use_isa(isa) as used, _small_gemm_like(used):
+        want = x @ mx.dequantize(q, scales, biases, group_size=group, bits=bits).T
         got = kernel.quantized_product(x, q, scales, biases, bits, group)
-        if used == "avx512":  # sums in the small-GEMM kernel's order: the same bits
+        if M <= SAME_BITS_ROWS.get(used, 0):  # sums in the small-GEMM kernel's order: the same bits
             assert mx.array_equal(got, want).item()
         assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
+def _small_gemm_like(isa: str):
+    """The small-GEMM kernel's path of the packed kernel's variant `isa` (its AVX2 one for "avx2")."""
+    return small_gemm_avx2() if isa == "avx2" else _nothing()
+
+
 @pytest.fixture(scope="module")
 def packed_target(target):
-    """The session's target: on AVX-512 with the kernel, its 4-bit layers and 8-bit embedding kept packed."""
-    if not (KERNEL.active() and KERNEL.isa == "avx512"):
-        pytest.skip("the target keeps packed weights only with the AVX-512 kernel")
+    """The session's target: with the kernel's AVX-512 or AVX2 variant, its 4-bit layers and 8-bit embedding kept
+    packed."""
+    if not (KERNEL.active() and packed_linear.max_rows() > 0):
+        pytest.skip("the target keeps packed weights only with the kernel's AVX-512 or AVX2 variant")
     return target
 
 
@@ -163,17 +173,21 @@ def test_the_embedded_target_keeps_its_quantized_weights_beside_the_float32_ones
     assert model.model.embed_tokens.packed.bits == 8 and model.compiled.packed_weights is not None
 
 
+@pytest.mark.parametrize("isa", ["best", "avx2"])
 @pytest.mark.parametrize("rows,tokens", [(1, 1), (1, 4), (1, 8), (1, 9), (1, 40), (2, 3), (4, 2), (8, 1), (8, 3),
-                                         (4, 8), (3, 11), (5, 5)])
-def test_forwards_from_packed_weights_have_the_bits_of_the_float32_forwards(packed_target, chat_ids, rows, tokens):
+                                         (4, 8), (3, 11), (5, 5), (2, 8), (17, 1)])
+def test_forwards_from_packed_weights_have_the_bits_of_the_float32_forwards(packed_target, chat_ids, isa, rows,
+                                                                             tokens):
     """Logits and hidden states of steps of every size, after a prefill, equal bit for bit with the kernel and
-    without it (prefills and steps of more than `MAX_ROWS` rows read the float32 weights either way)."""
+    without it (prefills and steps of more than `MAX_ROWS` rows of the variant read the float32 weights either way),
+    with the best variant and the AVX2 one (beside the small-GEMM kernel's AVX2 path)."""
     model = packed_target.model
     prompts = [chat_ids[r % len(chat_ids)][:30] for r in range(rows)]
     outs = []
     for use in (True, False):
         cache = model.make_cache(64)
-        with (without(KERNEL) if not use else _nothing()):
+        with (KERNEL.use_isa(isa) as used, _small_gemm_like(used),
+              (without(KERNEL) if not use else _nothing())):
             model(mx.array(prompts), cache)
             cache.advance(30)
             step = mx.array([p[:tokens] for p in prompts])
@@ -196,8 +210,8 @@ def test_packed_weights_step_aside_once_a_layer_holds_another_weight(packed_targ
     assert embed.packed.current(embed)
 
 
-def test_only_an_avx512_kernel_gives_a_target_packed_weights(kernel):
-    with KERNEL.use_isa("avx2"):
+def test_the_base_variant_gives_a_target_no_packed_weights(kernel):
+    with KERNEL.use_isa("base"):
         t = load_target(None, "float32")
     assert getattr(t.model.model.embed_tokens, "packed", None) is None
     assert all(layer.self_attn.qkv.packed is None for layer in t.model.model.layers)

@@ -19,9 +19,9 @@ AVX512 = "avx512f" in cpu_flags()
 
 
 def most_rows(path: str) -> int:
-    """The most rows of x a path takes in one product: AVX2 16; AVX-512 any (tested up to 100: three 32-row chunks
-    and a tail, in blocks of 64 weight rows)."""
-    return 100 if path == "best" and AVX512 else 16
+    """The most rows of x a path takes in one product: AVX2 128 (past 8 rows, chunks of up to 8 in blocks of 64
+    weight rows); AVX-512 any (tested up to 100: three 32-row chunks and a tail, in blocks of 64 weight rows)."""
+    return 100 if path == "best" and AVX512 else 128
 
 
 def have_path() -> bool:
@@ -65,7 +65,7 @@ def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(path):
     x = mx.array(rng.standard_normal((rows, 576), dtype=np.float32))
     with _path(path):
         full = np.array(x @ w.T)
-        for M in range(1, rows):  # every chunking of the rows (AVX-512: of up to 32 rows in one to six chunks)
+        for M in range(1, rows):  # every chunking of the rows (of up to 32 (AVX-512) or 8 (AVX2) rows a chunk)
             assert np.array_equal(np.array(x[:M] @ w.T), full[:M]), M
 
 
@@ -132,7 +132,7 @@ def test_other_products_go_to_the_blas():
         pytest.skip("small-GEMM library not built on this machine")
     fast, slow = small_gemm_calls()
     with small_gemm_avx2():
-        mx.eval(mx.ones((17, 576)) @ mx.ones((1536, 576)).T)  # too many rows for the AVX2 path
+        mx.eval(mx.ones((129, 576)) @ mx.ones((1536, 576)).T)  # too many rows for the AVX2 path
     mx.eval(mx.ones((4, 576)) @ mx.ones((576, 1536)))  # not x @ W^T, and too large for the tiny path
     with small_gemm_disabled():
         mx.eval(mx.ones((1, 576)) @ mx.ones((1536, 576)).T)

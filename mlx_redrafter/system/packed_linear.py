@@ -21,12 +21,14 @@ import sys
 
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 4  # the kernel build's version (its speed), shown in blas=...+packed1
+VERSION = 5  # the kernel build's version (its speed), shown in blas=...+packed1
 KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight kernel", "MLX's product", VERSION)
-# Rows up to which a target's product reads its 4- or 8-bit weights packed: past them the float32 product is as fast
-# (its arithmetic dominates, and the packed one widens every weight again for each pass over the rows). Measured on
-# the AVX-512 EPYC, the embedded model's products (bench/results/cpu-avx512/MEASURED.md, 2026-11-28).
-MAX_ROWS = 24
+# Rows up to which a target's product reads its 4- or 8-bit weights packed, by the kernel's variant: past them the
+# float32 product is as fast (its arithmetic dominates, and the packed one widens every weight again for each pass
+# over the rows). Measured with the embedded model's forwards: AVX-512 on the EPYC (bench/results/cpu-avx512/
+# MEASURED.md, 2026-11-28); AVX2 on Zen 3 (bench/results/cpu-avx2/MEASURED.md, 2026-11-28). Either way the result has
+# the float32 product's bits: the small-GEMM kernel computes those up to 128 rows (AVX2) or any (AVX-512).
+MAX_ROWS = {"avx512": 24, "avx2": 6}
 
 
 def load(threads: int, expected: bool) -> str:
@@ -40,6 +42,11 @@ def usable() -> bool:
     import mlx.core as mx
 
     return KERNEL.module is not None and mx.default_device() == mx.cpu
+
+
+def max_rows() -> int:
+    """Rows up to which a target's product reads its packed weights; 0 where the kernel does not serve targets."""
+    return MAX_ROWS.get(KERNEL.isa, 0) if usable() else 0
 
 
 def half_product(x, weight, bias=None):

@@ -271,6 +271,87 @@ __attribute__((target("avx512f"))) static inline void quant_block512(const Args&
     }
 }
 
+// Quantized rows on AVX2 (the target's 4-bit layers and 8-bit vocabulary): R weight rows at a time times MM rows of
+// x. Each 8 weights are widened as scale * q + bias by one fused multiply-add: scale * q is exact (a float16 or
+// bfloat16 scale times q < 256, the only scales a target keeps packed), so it rounds once, as widen256's multiply
+// and add do. 4-bit: the 32-bit word of 8 nibbles is broadcast, shifted by lane (0, 4, ..., 28) and masked. Sums
+// per output as in the small-GEMM kernel's AVX2 path: 8 lanes over k in order, then across the lanes.
+template <int BITS, int MM, int R>
+__attribute__((target("avx2,fma,f16c"))) static inline void quant_block256(const Args& a, int m0, int n0, int n1) {
+    const float* x = a.x + (int64_t)m0 * a.ldx;
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low4 = _mm256_set1_epi32(15);
+    for (int n = n0; n < n1; n += R) {
+        const uint8_t* w[R];
+        const float *s[R], *b[R];
+        for (int r = 0; r < R; ++r) {  // past n1 the last row again: computed, not stored
+            const int64_t row = std::min(n + r, n1 - 1);
+            w[r] = a.w + row * a.ldw;
+            s[r] = a.s + row * a.lds;
+            b[r] = a.b + row * a.lds;
+        }
+        __m256 acc[MM][R];
+        for (int m = 0; m < MM; ++m)
+            for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+        for (int k = 0; k < a.K; k += 8) {
+            if ((k * BITS / 8 & 63) == 0)  // the next block's rows, a cache line at a time
+                for (int r = 0; r < R; ++r)
+                    _mm_prefetch((const char*)(w[r] + R * a.ldw + k * BITS / 8), _MM_HINT_T0);
+            const int g = k / a.group;
+            __m256 u[R];
+            for (int r = 0; r < R; ++r) {
+                __m256i q;
+                if (BITS == 4) {
+                    int32_t word;
+                    std::memcpy(&word, w[r] + k / 2, 4);
+                    q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low4);
+                } else {
+                    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(w[r] + k)));
+                }
+                u[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(s[r] + g),
+                                       _mm256_broadcast_ss(b[r] + g));
+            }
+            for (int m = 0; m < MM; ++m) {
+                const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * a.ldx + k);
+                for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(u[r], xv, acc[m][r]);
+            }
+        }
+        for (int m = 0; m < MM; ++m) {
+            float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
+            for (int r = 0; r < R && n + r < n1; ++r) ym[n + r] = sum256(acc[m][r]);
+        }
+    }
+}
+
+// Up to 6 rows of x in one pass; more: blocks of weight rows, each times every pass of up to 6 rows of x while it is
+// in cache.
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) static void quant_pass256(const Args& a, int m0, int mm, int n0, int n1) {
+    switch (mm) {
+        case 1: return quant_block256<BITS, 1, 4>(a, m0, n0, n1);
+        case 2: return quant_block256<BITS, 2, 4>(a, m0, n0, n1);
+        case 3: return quant_block256<BITS, 3, 3>(a, m0, n0, n1);
+        case 4: return quant_block256<BITS, 4, 2>(a, m0, n0, n1);
+        case 5: return quant_block256<BITS, 5, 2>(a, m0, n0, n1);
+        default: return quant_block256<BITS, 6, 2>(a, m0, n0, n1);
+    }
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) static void quant_rows256(const Args& a, int n0, int n1) {
+    constexpr int BLOCK = 64;
+    if (a.M <= 6) return quant_pass256<BITS>(a, 0, a.M, n0, n1);
+    for (int nb = n0; nb < n1; nb += BLOCK) {
+        const int ne = std::min(nb + BLOCK, n1);
+        for (int m0 = 0; m0 < a.M; m0 += 6) quant_pass256<BITS>(a, m0, std::min(6, a.M - m0), nb, ne);
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void rows_avx2_any(const Args& a, int n0, int n1) {
+    if (a.kind == Q4) return quant_rows256<4>(a, n0, n1);
+    if (a.kind == Q8) return quant_rows256<8>(a, n0, n1);
+    return rows_avx2(a, n0, n1);
+}
+
 using WidenFn = void (*)(const Args&, int, float*);  // a weight row's whole vectors, widened into a buffer
 
 // A float16 or 8-bit row widened into dst as widen512 does (the wide path's widening).
@@ -406,7 +487,7 @@ const char* set_isa(const std::string& want) {
         rows_fn_ = rows_avx512_any;
     } else if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) {
         isa_ = "avx2";
-        rows_fn_ = rows_avx2;
+        rows_fn_ = rows_avx2_any;
     }
 #endif
     return isa_;
