@@ -292,11 +292,11 @@ __attribute__((target("avx2,fma,f16c"))) static inline void quant_block256(const
         __m256 acc[MM][R];
         for (int m = 0; m < MM; ++m)
             for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-        for (int k = 0; k < a.K; k += 8) {
+        for (int k0 = 0, g = 0; k0 < a.K; k0 += a.group, ++g)  // a group at a time: no division per vector
+        for (int k = k0; k < k0 + a.group; k += 8) {
             if ((k * BITS / 8 & 63) == 0)  // the next block's rows, a cache line at a time
                 for (int r = 0; r < R; ++r)
                     _mm_prefetch((const char*)(w[r] + R * a.ldw + k * BITS / 8), _MM_HINT_T0);
-            const int g = k / a.group;
             __m256 u[R];
             for (int r = 0; r < R; ++r) {
                 __m256i q;
