@@ -346,9 +346,55 @@ __attribute__((target("avx2,fma,f16c"))) static void quant_rows256(const Args& a
     }
 }
 
+// Float16 rows on AVX2 (a drafter's weights) whose length is a multiple of 8: R weight rows at a time times MM rows
+// of x, as quant_block256 (R independent sums per row of x, so that a single row of x is not bound by the latency
+// of one chain of fused multiply-adds), each 8 weights widened by one conversion. The sums' order is rows_avx2's.
+template <int MM, int R>
+__attribute__((target("avx2,fma,f16c"))) static inline void half_block256(const Args& a, int m0, int n0, int n1) {
+    const float* x = a.x + (int64_t)m0 * a.ldx;
+    for (int n = n0; n < n1; n += R) {
+        const uint8_t* w[R];
+        for (int r = 0; r < R; ++r) w[r] = a.w + std::min<int64_t>(n + r, n1 - 1) * a.ldw;
+        __m256 acc[MM][R];
+        for (int m = 0; m < MM; ++m)
+            for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+        for (int k = 0; k < a.K; k += 8) {
+            if ((k & 31) == 0)  // the next block's rows, a cache line at a time
+                for (int r = 0; r < R; ++r) _mm_prefetch((const char*)(w[r] + R * a.ldw + 2 * k), _MM_HINT_T0);
+            __m256 u[R];
+            for (int r = 0; r < R; ++r) u[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w[r] + 2 * k)));
+            for (int m = 0; m < MM; ++m) {
+                const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * a.ldx + k);
+                for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(u[r], xv, acc[m][r]);
+            }
+        }
+        for (int m = 0; m < MM; ++m) {
+            float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
+            for (int r = 0; r < R && n + r < n1; ++r) ym[n + r] = sum256(acc[m][r]);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void half_rows256(const Args& a, int n0, int n1) {
+    constexpr int BLOCK = 64;
+    for (int nb = n0; nb < n1; nb += BLOCK) {
+        const int ne = a.M <= 4 ? n1 : std::min(nb + BLOCK, n1);  // up to 4 rows of x: one pass over all rows
+        for (int m0 = 0; m0 < a.M; m0 += 4) {
+            switch (std::min(4, a.M - m0)) {
+                case 1: half_block256<1, 4>(a, m0, nb, ne); break;
+                case 2: half_block256<2, 4>(a, m0, nb, ne); break;
+                case 3: half_block256<3, 3>(a, m0, nb, ne); break;
+                default: half_block256<4, 2>(a, m0, nb, ne); break;
+            }
+        }
+        if (ne == n1) break;
+    }
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_any(const Args& a, int n0, int n1) {
     if (a.kind == Q4) return quant_rows256<4>(a, n0, n1);
     if (a.kind == Q8) return quant_rows256<8>(a, n0, n1);
+    if (a.K % 8 == 0) return half_rows256(a, n0, n1);
     return rows_avx2(a, n0, n1);
 }
 
