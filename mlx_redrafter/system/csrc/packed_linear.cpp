@@ -215,6 +215,20 @@ ROWS_VARIANT(rows_avx512, __attribute__((target("avx512f"))), __m512, 16, widen5
 ROWS_VARIANT(rows_avx2, __attribute__((target("avx2,fma,f16c"))), __m256, 8, widen256, _mm256_loadu_ps,
              _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
 
+// Where the R weight rows of a block from row n start (and their scales and biases, unless s is null); past n1 the
+// last row again: computed, not stored.
+template <int R>
+static inline void block_rows(const Args& a, int n, int n1, const uint8_t** w, const float** s, const float** b) {
+    for (int r = 0; r < R; ++r) {
+        const int64_t row = std::min(n + r, n1 - 1);
+        w[r] = a.w + row * a.ldw;
+        if (s != nullptr) {
+            s[r] = a.s + row * a.lds;
+            b[r] = a.b + row * a.lds;
+        }
+    }
+}
+
 // Quantized rows on AVX-512 (the target's 4-bit layers and 8-bit vocabulary): R weight rows at a time times MM rows
 // of x (each x vector feeds R fused multiply-adds). 4-bit: each group's 16 possible values scale x q + bias are
 // computed once (the same multiply and add as widen512, so the same floats) into a register, and every 16 weights
@@ -231,12 +245,7 @@ __attribute__((target("avx512f"))) static inline void quant_block512(const Args&
     for (int n = n0; n < n1; n += R) {
         const uint8_t* w[R];
         const float *s[R], *b[R];
-        for (int r = 0; r < R; ++r) {  // past n1 the last row again: computed, not stored
-            const int64_t row = std::min(n + r, n1 - 1);
-            w[r] = a.w + row * a.ldw;
-            s[r] = a.s + row * a.lds;
-            b[r] = a.b + row * a.lds;
-        }
+        block_rows<R>(a, n, n1, w, s, b);
         __m512 acc[MM][R], t[R];
         for (int m = 0; m < MM; ++m)
             for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -271,6 +280,26 @@ __attribute__((target("avx512f"))) static inline void quant_block512(const Args&
     }
 }
 
+// The AVX2 blocks' shared steps: MM rows of x (from column k) times R widened weight vectors into MM x R sums; the
+// sums, each across its lanes, stored for the block's rows [n, n1).
+template <int MM, int R>
+__attribute__((target("avx2,fma,f16c"))) static inline void multiply_add256(const float* x, int64_t ldx,
+                                                                           const __m256* u, __m256 (*acc)[R]) {
+    for (int m = 0; m < MM; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * ldx);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(u[r], xv, acc[m][r]);
+    }
+}
+
+template <int MM, int R>
+__attribute__((target("avx2,fma,f16c"))) static inline void store_sums256(const Args& a, int m0, int n, int n1,
+                                                                         __m256 (*acc)[R]) {
+    for (int m = 0; m < MM; ++m) {
+        float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
+        for (int r = 0; r < R && n + r < n1; ++r) ym[n + r] = sum256(acc[m][r]);
+    }
+}
+
 // Quantized rows on AVX2 (the target's 4-bit layers and 8-bit vocabulary): R weight rows at a time times MM rows of
 // x. Each 8 weights are widened as scale * q + bias by one fused multiply-add: scale * q is exact (a float16 or
 // bfloat16 scale times q < 256, the only scales a target keeps packed), so it rounds once, as widen256's multiply
@@ -283,12 +312,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void quant_block256(const
     for (int n = n0; n < n1; n += R) {
         const uint8_t* w[R];
         const float *s[R], *b[R];
-        for (int r = 0; r < R; ++r) {  // past n1 the last row again: computed, not stored
-            const int64_t row = std::min(n + r, n1 - 1);
-            w[r] = a.w + row * a.ldw;
-            s[r] = a.s + row * a.lds;
-            b[r] = a.b + row * a.lds;
-        }
+        block_rows<R>(a, n, n1, w, s, b);
         __m256 acc[MM][R];
         for (int m = 0; m < MM; ++m)
             for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -310,15 +334,9 @@ __attribute__((target("avx2,fma,f16c"))) static inline void quant_block256(const
                 u[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(s[r] + g),
                                        _mm256_broadcast_ss(b[r] + g));
             }
-            for (int m = 0; m < MM; ++m) {
-                const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * a.ldx + k);
-                for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(u[r], xv, acc[m][r]);
-            }
+            multiply_add256<MM, R>(x + k, a.ldx, u, acc);
         }
-        for (int m = 0; m < MM; ++m) {
-            float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
-            for (int r = 0; r < R && n + r < n1; ++r) ym[n + r] = sum256(acc[m][r]);
-        }
+        store_sums256<MM, R>(a, m0, n, n1, acc);
     }
 }
 
@@ -354,7 +372,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void half_block256(const 
     const float* x = a.x + (int64_t)m0 * a.ldx;
     for (int n = n0; n < n1; n += R) {
         const uint8_t* w[R];
-        for (int r = 0; r < R; ++r) w[r] = a.w + std::min<int64_t>(n + r, n1 - 1) * a.ldw;
+        block_rows<R>(a, n, n1, w, nullptr, nullptr);
         __m256 acc[MM][R];
         for (int m = 0; m < MM; ++m)
             for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -363,15 +381,9 @@ __attribute__((target("avx2,fma,f16c"))) static inline void half_block256(const 
                 for (int r = 0; r < R; ++r) _mm_prefetch((const char*)(w[r] + R * a.ldw + 2 * k), _MM_HINT_T0);
             __m256 u[R];
             for (int r = 0; r < R; ++r) u[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w[r] + 2 * k)));
-            for (int m = 0; m < MM; ++m) {
-                const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * a.ldx + k);
-                for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(u[r], xv, acc[m][r]);
-            }
+            multiply_add256<MM, R>(x + k, a.ldx, u, acc);
         }
-        for (int m = 0; m < MM; ++m) {
-            float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
-            for (int r = 0; r < R && n + r < n1; ++r) ym[n + r] = sum256(acc[m][r]);
-        }
+        store_sums256<MM, R>(a, m0, n, n1, acc);
     }
 }
 
