@@ -136,23 +136,8 @@ __attribute__((target("avx512f"))) static inline __m512 bytes16(const uint8_t* p
 __attribute__((target("avx512f"))) static inline __m512 halves16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 nibbles8(const uint8_t* p) {
-    int32_t word;
-    std::memcpy(&word, p, 4);
-    const __m128i w16 = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(word));  // 4 bytes -> 4 x int16 (and zeros)
-    const __m128i lo = _mm_and_si128(w16, _mm_set1_epi16(15)), hi = _mm_srli_epi16(w16, 4);
-    return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_unpacklo_epi16(lo, hi)));
-}
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 bytes8(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 halves8(const uint8_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-}
 WIDEN_VARIANT(widen512, __attribute__((target("avx512f"))), __m512, 16, halves16, nibbles16, bytes16,
               _mm512_set1_ps, _mm512_mul_ps, _mm512_add_ps)
-WIDEN_VARIANT(widen256, __attribute__((target("avx2,fma,f16c"))), __m256, 8, halves8, nibbles8, bytes8,
-              _mm256_set1_ps, _mm256_mul_ps, _mm256_add_ps)
 
 #define ROWS_VARIANT(NAME, TARGET, V, LANES, WIDEN, LOADX, FMA, ZERO, SUM, MAXM)                                     \
     template <int MM>                                                                                              \
@@ -212,8 +197,6 @@ __attribute__((target("avx2,fma,f16c"))) static inline float sum256(__m256 v) {
 }
 ROWS_VARIANT(rows_avx512, __attribute__((target("avx512f"))), __m512, 16, widen512, _mm512_loadu_ps,
              _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_reduce_add_ps, 8)
-ROWS_VARIANT(rows_avx2, __attribute__((target("avx2,fma,f16c"))), __m256, 8, widen256, _mm256_loadu_ps,
-             _mm256_fmadd_ps, _mm256_setzero_ps(), sum256, 4)
 
 // Where the R weight rows of a block from row n start (and their scales and biases, unless s is null); past n1 the
 // last row again: computed, not stored.
@@ -281,7 +264,8 @@ __attribute__((target("avx512f"))) static inline void quant_block512(const Args&
 }
 
 // The AVX2 blocks' shared steps: MM rows of x (from column k) times R widened weight vectors into MM x R sums; the
-// sums, each across its lanes, stored for the block's rows [n, n1).
+// sums, each across its lanes and then over K's tail from column kv in scalars (float16 only), stored for the
+// block's rows [n, n1); and the passes over the rows of x.
 template <int MM, int R>
 __attribute__((target("avx2,fma,f16c"))) static inline void multiply_add256(const float* x, int64_t ldx,
                                                                            const __m256* u, __m256 (*acc)[R]) {
@@ -293,17 +277,36 @@ __attribute__((target("avx2,fma,f16c"))) static inline void multiply_add256(cons
 
 template <int MM, int R>
 __attribute__((target("avx2,fma,f16c"))) static inline void store_sums256(const Args& a, int m0, int n, int n1,
-                                                                         __m256 (*acc)[R]) {
+                                                                         __m256 (*acc)[R], int kv) {
     for (int m = 0; m < MM; ++m) {
+        const float* xm = a.x + (int64_t)(m0 + m) * a.ldx;
         float* ym = a.y + (int64_t)(m0 + m) * a.ldy;
-        for (int r = 0; r < R && n + r < n1; ++r) ym[n + r] = sum256(acc[m][r]);
+        for (int r = 0; r < R && n + r < n1; ++r) {
+            float sum = sum256(acc[m][r]);
+            for (int k = kv; k < a.K; ++k) sum += weight_at(a, n + r, k) * xm[k];
+            ym[n + r] = sum;
+        }
+    }
+}
+
+using PassFn = void (*)(const Args&, int m0, int mm, int n0, int n1);  // rows [m0, m0 + mm) of x times [n0, n1)
+
+// Up to `most` rows of x in one pass over the weight rows; more: blocks of 64 weight rows, each times every pass of
+// up to `most` rows of x while it is in cache.
+__attribute__((target("avx2,fma,f16c"))) static void in_passes256(const Args& a, int n0, int n1, int most,
+                                                                  PassFn pass) {
+    constexpr int BLOCK = 64;
+    if (a.M <= most) return pass(a, 0, a.M, n0, n1);
+    for (int nb = n0; nb < n1; nb += BLOCK) {
+        const int ne = std::min(nb + BLOCK, n1);
+        for (int m0 = 0; m0 < a.M; m0 += most) pass(a, m0, std::min(most, a.M - m0), nb, ne);
     }
 }
 
 // Quantized rows on AVX2 (the target's 4-bit layers and 8-bit vocabulary): R weight rows at a time times MM rows of
 // x. Each 8 weights are widened as scale * q + bias by one fused multiply-add: scale * q is exact (a float16 or
-// bfloat16 scale times q < 256, the only scales a target keeps packed), so it rounds once, as widen256's multiply
-// and add do. 4-bit: the 32-bit word of 8 nibbles is broadcast, shifted by lane (0, 4, ..., 28) and masked. Sums
+// bfloat16 scale times q < 256, the only scales a target keeps packed), so it rounds once, as mx.dequantize's
+// multiply and add do. 4-bit: the 32-bit word of 8 nibbles is broadcast, shifted by lane (0, 4, ..., 28) and masked. Sums
 // per output as in the small-GEMM kernel's AVX2 path: 8 lanes over k in order, then across the lanes.
 template <int BITS, int MM, int R>
 __attribute__((target("avx2,fma,f16c"))) static inline void quant_block256(const Args& a, int m0, int n0, int n1) {
@@ -336,12 +339,10 @@ __attribute__((target("avx2,fma,f16c"))) static inline void quant_block256(const
             }
             multiply_add256<MM, R>(x + k, a.ldx, u, acc);
         }
-        store_sums256<MM, R>(a, m0, n, n1, acc);
+        store_sums256<MM, R>(a, m0, n, n1, acc, a.K);
     }
 }
 
-// Up to 6 rows of x in one pass; more: blocks of weight rows, each times every pass of up to 6 rows of x while it is
-// in cache.
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) static void quant_pass256(const Args& a, int m0, int mm, int n0, int n1) {
     switch (mm) {
@@ -354,19 +355,9 @@ __attribute__((target("avx2,fma,f16c"))) static void quant_pass256(const Args& a
     }
 }
 
-template <int BITS>
-__attribute__((target("avx2,fma,f16c"))) static void quant_rows256(const Args& a, int n0, int n1) {
-    constexpr int BLOCK = 64;
-    if (a.M <= 6) return quant_pass256<BITS>(a, 0, a.M, n0, n1);
-    for (int nb = n0; nb < n1; nb += BLOCK) {
-        const int ne = std::min(nb + BLOCK, n1);
-        for (int m0 = 0; m0 < a.M; m0 += 6) quant_pass256<BITS>(a, m0, std::min(6, a.M - m0), nb, ne);
-    }
-}
-
-// Float16 rows on AVX2 (a drafter's weights) whose length is a multiple of 8: R weight rows at a time times MM rows
-// of x, as quant_block256 (R independent sums per row of x, so that a single row of x is not bound by the latency
-// of one chain of fused multiply-adds), each 8 weights widened by one conversion. The sums' order is rows_avx2's.
+// Float16 rows on AVX2 (a drafter's weights): R weight rows at a time times MM rows of x, as quant_block256 (R
+// independent sums per row of x, so that a single row of x is not bound by the latency of one chain of fused
+// multiply-adds), each 8 weights widened by one conversion; K's tail past the last whole vector in scalars.
 template <int MM, int R>
 __attribute__((target("avx2,fma,f16c"))) static inline void half_block256(const Args& a, int m0, int n0, int n1) {
     const float* x = a.x + (int64_t)m0 * a.ldx;
@@ -376,38 +367,32 @@ __attribute__((target("avx2,fma,f16c"))) static inline void half_block256(const 
         __m256 acc[MM][R];
         for (int m = 0; m < MM; ++m)
             for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-        for (int k = 0; k < a.K; k += 8) {
+        const int kv = a.K / 8 * 8;
+        for (int k = 0; k < kv; k += 8) {
             if ((k & 31) == 0)  // the next block's rows, a cache line at a time
                 for (int r = 0; r < R; ++r) _mm_prefetch((const char*)(w[r] + R * a.ldw + 2 * k), _MM_HINT_T0);
             __m256 u[R];
             for (int r = 0; r < R; ++r) u[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w[r] + 2 * k)));
             multiply_add256<MM, R>(x + k, a.ldx, u, acc);
         }
-        store_sums256<MM, R>(a, m0, n, n1, acc);
+        store_sums256<MM, R>(a, m0, n, n1, acc, kv);
     }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void half_rows256(const Args& a, int n0, int n1) {
-    constexpr int BLOCK = 64;
-    for (int nb = n0; nb < n1; nb += BLOCK) {
-        const int ne = a.M <= 4 ? n1 : std::min(nb + BLOCK, n1);  // up to 4 rows of x: one pass over all rows
-        for (int m0 = 0; m0 < a.M; m0 += 4) {
-            switch (std::min(4, a.M - m0)) {
-                case 1: half_block256<1, 4>(a, m0, nb, ne); break;
-                case 2: half_block256<2, 4>(a, m0, nb, ne); break;
-                case 3: half_block256<3, 3>(a, m0, nb, ne); break;
-                default: half_block256<4, 2>(a, m0, nb, ne); break;
-            }
-        }
-        if (ne == n1) break;
+__attribute__((target("avx2,fma,f16c"))) static void half_pass256(const Args& a, int m0, int mm, int n0, int n1) {
+    switch (mm) {
+        case 1: return half_block256<1, 4>(a, m0, n0, n1);
+        case 2: return half_block256<2, 4>(a, m0, n0, n1);
+        case 3: return half_block256<3, 3>(a, m0, n0, n1);
+        default: return half_block256<4, 2>(a, m0, n0, n1);
     }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void rows_avx2_any(const Args& a, int n0, int n1) {
-    if (a.kind == Q4) return quant_rows256<4>(a, n0, n1);
-    if (a.kind == Q8) return quant_rows256<8>(a, n0, n1);
-    if (a.K % 8 == 0) return half_rows256(a, n0, n1);
-    return rows_avx2(a, n0, n1);
+// AVX2: quantized rows in passes of up to 6 rows of x, float16 ones of up to 4.
+__attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const Args& a, int n0, int n1) {
+    if (a.kind == Q4) return in_passes256(a, n0, n1, 6, quant_pass256<4>);
+    if (a.kind == Q8) return in_passes256(a, n0, n1, 6, quant_pass256<8>);
+    return in_passes256(a, n0, n1, 4, half_pass256);
 }
 
 using WidenFn = void (*)(const Args&, int, float*);  // a weight row's whole vectors, widened into a buffer
@@ -545,7 +530,7 @@ const char* set_isa(const std::string& want) {
         rows_fn_ = rows_avx512_any;
     } else if (avx2 && (want == "best" || want == "avx2" || want == "avx512")) {
         isa_ = "avx2";
-        rows_fn_ = rows_avx2_any;
+        rows_fn_ = rows_avx2;
     }
 #endif
     return isa_;
