@@ -55,3 +55,28 @@ def test_the_cpu_trainer_grows_the_head_of_the_drafter_it_starts_from(tmp_path):
         assert_one_line_error(p, needle)
     p = run(train(tmp_path, "-o", str(tmp_path / "o3"), "--head-rows", "9000", "--restart"), tmp_path)
     assert_one_line_error(p, "--head-rows grows the head of a recurrent drafter given by --init-from")
+
+
+def test_head_only_training_moves_the_head_and_nothing_else(tmp_path):
+    from mlx.utils import tree_flatten
+    from one_line import assert_one_line_error, run
+    from test_bad_training import REPO, train
+
+    from mlx_redrafter.draft.redrafter import load_drafter
+
+    shipped = REPO / "mlx_redrafter" / "drafters" / "smollm2-135m"
+    out = tmp_path / "out"
+    proc = run(train(tmp_path, "-o", str(out), "--init-from", str(shipped), "--head-rows", "8200", "--head-only",
+                     "--lr", "1e-2"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = dict(tree_flatten(load_drafter(shipped).parameters()))
+    after = dict(tree_flatten(load_drafter(out).parameters()))
+    head = [k for k in after if k.startswith("lm_head.") and k.split(".")[1] == str(len(load_drafter(out).lm_head) - 1)]
+    assert head and before.keys() == after.keys()
+    for k in after:
+        if k not in head and k != "draft_vocab":
+            assert np.array_equal(np.array(before[k]), np.array(after[k])), k
+    w = head[0] if head[0].endswith("weight") else head[-1]
+    assert not np.array_equal(np.array(before[w]), np.array(after[w][:8192]))
+    p = run(train(tmp_path, "-o", str(tmp_path / "o2"), "--head-only", "--restart"), tmp_path)
+    assert_one_line_error(p, "--head-only trains the head of a recurrent drafter given by --init-from")

@@ -211,6 +211,9 @@ def train(
                                 "target's hidden state."),
     freeze_head: bool = typer.Option(TrainConfig.freeze_head, "--freeze-head/--train-head",
                                      help="Keep the vocabulary projection at the target's own output rows."),
+    head_only: bool = typer.Option(TrainConfig.head_only, "--head-only", help="With --init-from: train its "
+                                   "vocabulary projection alone, the rest frozen (e.g. the rows --head-rows adds, "
+                                   "without moving what the drafter already computes)."),
     weight_decay: float = typer.Option(TrainConfig.weight_decay, help="AdamW weight decay."),
     seed: int = typer.Option(TrainConfig.seed, help="Random seed."),
     init_from: Path | None = typer.Option(None, "--init-from", help="Start from this drafter's weights and head "
@@ -266,7 +269,8 @@ def train(
     kind = kind or TrainConfig.kind
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
-                      feature_noise=noise, freeze_head=freeze_head, weight_decay=weight_decay, seed=seed,
+                      feature_noise=noise, freeze_head=freeze_head, head_only=head_only, weight_decay=weight_decay,
+                      seed=seed,
                       kind=kind, init_from=str(init_from) if init_from is not None else None,
                       feature_layers=feature_layer_list(feature_layers), head_rows=head_rows,
                       ).check()

@@ -55,6 +55,7 @@ class TrainConfig:
     input_dropout: float = 0.0  # training-only dropout on h and the token embeddings
     feature_noise: float = 0.0  # training-only uniform noise U(-a, a) added to h (EAGLE uses 0.1)
     freeze_head: bool = False  # keep the vocabulary projection at the target's own output rows (init_from_target)
+    head_only: bool = False  # train the vocabulary projection alone, the rest as init_from left it
     init_from_target: bool = True  # head = the target's (tied) output rows, input_proj = [I 0]
     eval_every: int = 500
     checkpoint_every: int = 500
@@ -80,6 +81,9 @@ class TrainConfig:
         if self.head_rows is not None and (self.init_from is None or self.kind != "redrafter"):
             raise UserError("--head-rows grows the head of a recurrent drafter given by --init-from: pass one (a "
                             "fresh drafter's head has --draft-vocab rows)")
+        if self.head_only and (self.init_from is None or self.kind != "redrafter" or self.freeze_head):
+            raise UserError("--head-only trains the head of a recurrent drafter given by --init-from and nothing "
+                            "else: pass --init-from, and leave out --freeze-head")
         return self
 
 
@@ -100,6 +104,7 @@ CONFIG_FIELDS: tuple[tuple[str, str, Field], ...] = (
     ("input_dropout", "--dropout", Field("", float, 0, 0.9)),
     ("feature_noise", "--noise", Field("", float, 0, 100)),
     ("freeze_head", "--freeze-head", Field("", bool)),
+    ("head_only", "--head-only", Field("", bool)),
     ("init_from_target", "init_from_target", Field("", bool)),
     ("eval_every", "eval_every", Field("", int, 1, 10**9)),
     ("checkpoint_every", "checkpoint_every", Field("", int, 1, 10**9)),
@@ -318,6 +323,9 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
         drafter.freeze(keys=["draft_vocab"])
     if cfg.freeze_head:
         drafter.lm_head[-1].freeze()
+    if cfg.head_only:
+        drafter.freeze()
+        drafter.lm_head[-1].unfreeze()
     lut = head_lut(drafter, margs.vocab_size)
     coverage = float((lut[train.top_ids[:, 0]] >= 0).mean())
     log(f"data: {train.sequences} train / {heldout.sequences} held-out sequences, {len(train)} context positions; "

@@ -98,6 +98,7 @@ def save_shipped(drafter: Drafter, out_dir: str | Path, model_card: str, float16
 def model_card(model_name: str, cfg: TrainConfig, summary: dict, used: dict, timings: dict, extra: str = "") -> str:
     """MODEL_CARD.md from what this run actually did (evaluation sections are appended by the caller)."""
     final = summary.get("final", {})
+    head = "frozen" if cfg.freeze_head else "trained alone (the rest frozen)" if cfg.head_only else "trained"
     tlm = "rnn" if cfg.kind == "redrafter" else cfg.kind
     shape = {"exit_dim": cfg.exit_dim, "num_draft_layers": cfg.num_draft_layers,
              "draft_vocab_size": cfg.draft_vocab_size, **summary.get("shape", {})}
@@ -117,7 +118,7 @@ Trained here by self-distillation with `redrafter-mlx train` (`make train`).
   {corpora}; held out: {used['heldout']}.
 - Training: {cfg.steps} steps x {cfg.batch_size} context positions x {cfg.draft_len} draft steps, {cfg.labels} labels,
   AdamW lr {cfg.lr} (warmup {cfg.warmup}, cosine to {cfg.min_lr_ratio}), weight decay {cfg.weight_decay}, dropout
-  {cfg.input_dropout}, feature noise {cfg.feature_noise}, head {'frozen' if cfg.freeze_head else 'trained'};
+  {cfg.input_dropout}, feature noise {cfg.feature_noise}, head {head};
   {summary.get('train_time_s')} s on {platform.machine()} ({platform.processor() or 'cpu'}).
 - Time per stage: features {timings.get('features_s')} s, training {timings.get('train_s')} s.
 - Held-out (teacher-forced) top-1 accuracy per draft step: {final.get('acc')}; loss {final.get('val_loss')}.
