@@ -354,3 +354,14 @@ def test_answer_table_holds_the_train_split_answers(target, corpus_dirs, tmp_pat
     assert set(table.meta["shards"]) == {p.name for p in corpus.shards("train")}  # the held-out shard stays out
     res = CliRunner().invoke(app, ["answers", "--corpus", str(tmp_path / "none"), "--out", str(out)])
     assert res.exit_code != 0 and "no corpus at" in res.output
+
+
+def test_eval_drafter_drafts_from_the_head_rows_it_is_given():
+    lm = CliRunner()
+    args = ["eval-drafter", "--num-prompts", "1", "--widths", "1", "--lengths", "3", "--max-tokens", "8", "--json"]
+    res = lm.invoke(app, [*args, "--drafter-vocab", "4096"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["drafter_vocab"] == 4096 and out["results"][0]["steps"] > 0
+    res = lm.invoke(app, [*args, "--drafter-vocab", "99999"])
+    assert res.exit_code == 2 and "error: --drafter-vocab must be between 1 and the drafter's 8192" in res.output

@@ -364,6 +364,7 @@ def eval_drafter(
     heldout: bool = typer.Option(False, "--heldout", help="Use the corpus' held-out prompts instead."),
     corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (for --heldout)."),
     draft: str = typer.Option("rnn", help="Drafting to measure: rnn, lookup, rnn+lookup or lookup-else-rnn."),
+    drafter_vocab: int | None = c.DECODE_FLAGS["drafter_vocab"][1],
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Acceptance of a drafter on prompts it never saw: tokens per target call, per-position acceptance and the
@@ -379,5 +380,5 @@ def eval_drafter(
         texts = [r["prompt"] for r in first_turns(prompts, num_prompts)]
         source = str(prompts) if prompts else "MT-bench first turns"
     res = run_eval(drafter, model, c.int_list(widths, "--widths"), c.int_list(lengths, "--lengths"), texts,
-                   max_tokens, source, draft=draft, log=lambda m: typer.echo(m, err=True))
+                   max_tokens, source, draft=draft, drafter_vocab=drafter_vocab, log=lambda m: typer.echo(m, err=True))
     typer.echo(json.dumps(res) if as_json else format_eval(res))

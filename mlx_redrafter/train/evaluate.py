@@ -28,9 +28,10 @@ def heldout_prompt_ids(corpus_root: str | Path, num: int, seed: int = 0) -> list
 
 def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: list[int],
              prompts: list[str] | list[list[int]], max_tokens: int, source: str, draft: str = "rnn",
-             log=print) -> dict:
+             drafter_vocab: int | None = None, log=print) -> dict:
     """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates.
-    `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report."""
+    `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report; `drafter_vocab`
+    is --drafter-vocab (None: the default rows)."""
     from mlx_redrafter import api
     from mlx_redrafter.sweep import check_shapes
 
@@ -38,12 +39,13 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
         raise UserError(f"--draft {draft} drafts nothing to measure: give a drafting mode, e.g. rnn")
     check_shapes(widths, lengths, draft, max_tokens)  # before the model loads and any shape runs
     lm = api.load(model, drafter_spec, "float32")
-    api.draft_mode(lm, api.decode_options(draft=draft))  # a drafter this mode cannot use: one line, now
+    api.draft_mode(lm, api.decode_options(draft=draft, drafter_vocab=drafter_vocab))  # bad options: one line, now
     ids = [api.encode_prompt(lm, p) for p in prompts]
     results = []
     for w in widths:
         for length in lengths:
-            opts = api.decode_options(draft=draft, beam_width=w, beam_length=length, max_tokens=max_tokens)
+            opts = api.decode_options(draft=draft, beam_width=w, beam_length=length, max_tokens=max_tokens,
+                                      drafter_vocab=drafter_vocab)
             per_prompt, hist, steps, decided, t0 = [], Counter(), 0, 0.0, time.perf_counter()
             phase = Counter()
             for p in ids:
@@ -67,8 +69,8 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
             results.append(rec)
             if log:
                 log(str(rec))
-    return {"model": lm.target.name, "drafter": lm.drafter_name, "draft": draft, "prompts": len(ids),
-            "prompts_source": source, "max_tokens": max_tokens, "results": results}
+    return {"model": lm.target.name, "drafter": lm.drafter_name, "draft": draft, "drafter_vocab": drafter_vocab,
+            "prompts": len(ids), "prompts_source": source, "max_tokens": max_tokens, "results": results}
 
 
 def format_eval(res: dict) -> str:
@@ -76,8 +78,9 @@ def format_eval(res: dict) -> str:
     Ls = sorted({r["L"] for r in res["results"]})
     Ws = sorted({r["W"] for r in res["results"]})
     cell = {(r["W"], r["L"]): r["tokens_per_step"] for r in res["results"]}
-    lines = [f"tokens per target call, {res['model']} + {res['drafter']} ({res['draft']}), {res['prompts']} prompts "
-             f"of {res['prompts_source']}, greedy, {res['max_tokens']} new tokens", "",
+    rows = f", {res['drafter_vocab']} head rows" if res.get("drafter_vocab") is not None else ""
+    lines = [f"tokens per target call, {res['model']} + {res['drafter']} ({res['draft']}{rows}), "
+             f"{res['prompts']} prompts of {res['prompts_source']}, greedy, {res['max_tokens']} new tokens", "",
              "| W \\ L | " + " | ".join(str(L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
     for w in Ws:
         lines.append(f"| {w} | " + " | ".join(f"{cell[(w, L)]:.2f}" if (w, L) in cell else "" for L in Ls) + " |")
