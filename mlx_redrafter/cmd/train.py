@@ -270,8 +270,7 @@ def train(
     cfg = TrainConfig(exit_dim=exit_dim, num_draft_layers=layers, draft_vocab_size=draft_vocab, draft_len=draft_len,
                       labels=labels, steps=steps, batch_size=batch, lr=lr, input_dropout=dropout,
                       feature_noise=noise, freeze_head=freeze_head, head_only=head_only, weight_decay=weight_decay,
-                      seed=seed,
-                      kind=kind, init_from=str(init_from) if init_from is not None else None,
+                      seed=seed, kind=kind, init_from=str(init_from) if init_from is not None else None,
                       feature_layers=feature_layer_list(feature_layers), head_rows=head_rows,
                       ).check()
     check_option("--corpus-tokens", corpus_tokens, Field("", int, 1, None))
