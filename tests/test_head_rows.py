@@ -42,6 +42,8 @@ def test_the_cpu_trainer_grows_the_head_of_the_drafter_it_starts_from(tmp_path):
                tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "head grown to 8200 rows" in proc.stderr
+    assert "held out); drafter" in proc.stderr  # the grown head's coverage where it was not chosen, too
+    assert "in the held-out shard" in (out / "MODEL_CARD.md").read_text()
     after = load_drafter(out)
     assert after.args.draft_vocab_size == 8200 and after.lm_head[-1].weight.shape[0] == 8200
     old = np.array(before.draft_vocab)

@@ -328,9 +328,10 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
         drafter.lm_head[-1].unfreeze()
     lut = head_lut(drafter, margs.vocab_size)
     coverage = float((lut[train.top_ids[:, 0]] >= 0).mean())
+    heldout_coverage = float((lut[heldout.top_ids[:, 0]] >= 0).mean()) if len(heldout) else 0.0
     log(f"data: {train.sequences} train / {heldout.sequences} held-out sequences, {len(train)} context positions; "
-        f"head K={drafter.args.draft_vocab_size or margs.vocab_size} covers {coverage:.1%} of the target's decisions; "
-        f"drafter {drafter.num_params() / 1e6:.2f}M params")
+        f"head K={drafter.args.draft_vocab_size or margs.vocab_size} covers {coverage:.1%} of the target's decisions "
+        f"({heldout_coverage:.1%} held out); drafter {drafter.num_params() / 1e6:.2f}M params")
     def embed(x: mx.array) -> mx.array:
         return target.model.embed(x).astype(mx.float32)
 
@@ -394,6 +395,7 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
     summary = {"config": asdict(cfg), "train_time_s": round(time.perf_counter() - t0, 1),
                "train_sequences": train.sequences, "train_contexts": len(train),
                "heldout_sequences": heldout.sequences, "head_coverage": round(coverage, 4),
+               "head_coverage_heldout": round(heldout_coverage, 4),
                "params": drafter.num_params(), "history": history,
                "shape": {k: getattr(drafter.args, k, None) for k in ("exit_dim", "num_draft_layers",
                                                                      "draft_vocab_size", "feature_layers")},

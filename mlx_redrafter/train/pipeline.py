@@ -113,7 +113,8 @@ Trained here by self-distillation with `redrafter-mlx train` (`make train`).
 
 - Shape: exit_dim {shape['exit_dim']}, {shape['num_draft_layers']} ResBlocks, {tlm}, head over
   {shape['draft_vocab_size']} frequent tokens (covering {summary.get('head_coverage')} of the target's decisions in
-  the training data){fused}; {summary.get('params')} parameters{start}.
+  the training data, {summary.get('head_coverage_heldout')} in the held-out shard){fused};
+  {summary.get('params')} parameters{start}.
 - Data: {used['train_sequences']} training sequences ({used['train_response_tokens']} response tokens):
   {corpora}; held out: {used['heldout']}.
 - Training: {cfg.steps} steps x {cfg.batch_size} context positions x {cfg.draft_len} draft steps, {cfg.labels} labels,
