@@ -327,8 +327,8 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
         drafter.freeze()
         drafter.lm_head[-1].unfreeze()
     lut = head_lut(drafter, margs.vocab_size)
-    coverage = float((lut[train.top_ids[:, 0]] >= 0).mean())
-    heldout_coverage = float((lut[heldout.top_ids[:, 0]] >= 0).mean()) if len(heldout) else 0.0
+    coverage, heldout_coverage = (float((lut[ex.top_ids[:, 0]] >= 0).mean()) if len(ex) else 0.0
+                                  for ex in (train, heldout))  # shares of the target's decisions the head can draft
     log(f"data: {train.sequences} train / {heldout.sequences} held-out sequences, {len(train)} context positions; "
         f"head K={drafter.args.draft_vocab_size or margs.vocab_size} covers {coverage:.1%} of the target's decisions "
         f"({heldout_coverage:.1%} held out); drafter {drafter.num_params() / 1e6:.2f}M params")
