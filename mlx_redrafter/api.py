@@ -33,6 +33,7 @@ from mlx_redrafter.draft.redrafter import (
 from mlx_redrafter.drafter_spec import DrafterSpec, parse_drafter_spec  # noqa: F401 (re-exported)
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Record, Stats, generate_ar, generate_speculative
+from mlx_redrafter.logprobs import TokenLogprob
 from mlx_redrafter.models.loader import DEFAULT_MODEL, Target, load_target
 from mlx_redrafter.models.tokenizer import StreamingDetokenizer
 from mlx_redrafter.options import DecodeOptions, decode_options
@@ -42,6 +43,7 @@ from mlx_redrafter.sources import source_settings
 
 __all__ = ["LoadedModel", "DecodeOptions", "decode_options", "Response", "Result", "load", "generate",
            "stream_generate", "generate_batch", "stream_batch", "decode", "settings", "encode_prompt", "answer_table",
+           "TokenLogprob",
            "shipped_drafter_path", "shipped_folder"]
 
 
@@ -78,10 +80,14 @@ class Response:
 
 @dataclass
 class Result:
+    """A whole completion: its text, token ids, statistics, settings, and (when asked for with `logprobs`) each
+    token's log-probability."""
+
     text: str
     tokens: list[int]
     stats: Stats
     settings: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
 
 
 def resolve_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None, str]:
@@ -172,9 +178,10 @@ def decode(lm: LoadedModel, ids: list[int], options: DecodeOptions, *, cache: KV
     alloc = make_allocator(lm, options)
     if alloc is None:
         return generate_ar(model, ids, max_tokens=max_tokens, eos_ids=eos, sampling=options.sampling, cache=cache,
-                           history=list(history))
+                           history=list(history), logprobs=options.logprobs)
     return generate_speculative(model, ids, alloc, length=options.shape.length, max_tokens=max_tokens, eos_ids=eos,
-                                sampling=options.sampling, cache=cache, history=list(history), profile=profile)
+                                sampling=options.sampling, cache=cache, history=list(history), profile=profile,
+                                logprobs=options.logprobs)
 
 
 def stream_generate(lm: LoadedModel, prompt: str | list[int], options: DecodeOptions | None = None, *,
@@ -219,13 +226,15 @@ def generate(lm: LoadedModel, prompt: str | list[int], options: DecodeOptions | 
     """Generate a whole completion; returns text, token ids, statistics and the settings used."""
     options = (options or DecodeOptions()).updated(**overrides)
     stats = Stats()
-    pieces, tokens = [], []
+    pieces, tokens, logprobs = [], [], []
     for r in stream_generate(lm, prompt, options, chat=chat):
         pieces.append(r.text)
         tokens.extend(r.tokens)
         if r.record is not None:
             stats.add(r.record)
-    return Result(text="".join(pieces), tokens=tokens, stats=stats, settings=settings(lm, options))
+            logprobs.extend(r.record.logprobs or ())
+    return Result(text="".join(pieces), tokens=tokens, stats=stats, settings=settings(lm, options),
+                  logprobs=None if options.logprobs is None else logprobs)
 
 
 def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: DecodeOptions | None = None, *,
@@ -249,7 +258,8 @@ def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: Decod
     records = batch_loop(model, ids, batch_size=batch_size, max_tokens=min(options.max_tokens, room),
                          eos_ids=lm.tokenizer.eos_ids, sampling=options.sampling,
                          allocator=lambda: make_allocator(lm, options), length=options.shape.length,
-                         budget=Budget(options.shape.length, curve, copy_length=options.copy_length))
+                         budget=Budget(options.shape.length, curve, copy_length=options.copy_length),
+                         logprobs=options.logprobs)
     for index, r in records:
         yield index, Response(detoks[index].add(r.tokens), r.tokens, r)
         if r.stop:
@@ -266,15 +276,18 @@ def generate_batch(lm: LoadedModel, prompts: list[str | list[int]], options: Dec
     options = (options or DecodeOptions()).updated(**overrides)
     pieces: list[list[str]] = [[] for _ in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in prompts]
     stats = [Stats() for _ in prompts]
     for i, r in stream_batch(lm, prompts, options, batch_size=batch_size, chat=chat, curve=curve):
         pieces[i].append(r.text)
         tokens[i].extend(r.tokens)
         if r.record is not None:
             stats[i].add(r.record)
+            logprobs[i].extend(r.record.logprobs or ())
     base = settings(lm, options)
-    return [Result(text="".join(p), tokens=t, stats=s, settings={**base, "batch_size": batch_size})
-            for p, t, s in zip(pieces, tokens, stats)]
+    return [Result(text="".join(p), tokens=t, stats=s, settings={**base, "batch_size": batch_size},
+                   logprobs=None if options.logprobs is None else lp)
+            for p, t, s, lp in zip(pieces, tokens, stats, logprobs)]
 
 
 def cost_curve(lm: LoadedModel, batch_size: int, length: int) -> CostCurve:

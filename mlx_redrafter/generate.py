@@ -24,9 +24,10 @@ from mlx_redrafter.accept import truncate_at_eos
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import Allocator, DecodeState
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.logprobs import Pending, TokenLogprob
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling
-from mlx_redrafter.step import ar_step, prefill, speculative_step
+from mlx_redrafter.step import ar_logits, decide, prefill_logits, speculative_step
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Record:
     phase_s: dict[str, float] = field(default_factory=dict)  # seconds per step phase (step.PHASES)
     stop: str = ""  # eos | max_tokens on the record that ended the generation
     peak_memory_gb: float = 0.0  # peak MLX memory since the generation began
+    logprobs: list[TokenLogprob] | None = None  # of `tokens`, one each, when asked for (logprobs.py)
 
 
 @dataclass
@@ -175,13 +177,14 @@ class _Run:
         mx.reset_peak_memory()
         self.t = time.perf_counter()
 
-    def record(self, decided: list[int], **costs) -> Record:
-        """The record of a call that decided `decided` (timed since the previous record or `resume`)."""
+    def record(self, decided: list[int], logprobs: Pending | None = None, **costs) -> Record:
+        """The record of a call that decided `decided` (timed since the previous record or `resume`), with the
+        emitted tokens' log-probabilities read from the evaluated `logprobs` of `decided`."""
         now = time.perf_counter()
         tokens = self.emit(decided)
-        r = Record(tokens=tokens, decided=len(decided), seconds=now - self.t, stop=self.emit.stop,
-                   peak_memory_gb=mx.get_peak_memory() / 1e9, **costs)
-        return r
+        return Record(tokens=tokens, decided=len(decided), seconds=now - self.t, stop=self.emit.stop,
+                      peak_memory_gb=mx.get_peak_memory() / 1e9,
+                      logprobs=None if logprobs is None else logprobs.host(len(tokens)), **costs)
 
     def resume(self) -> None:
         """The caller handed control back: the next record's clock starts now."""
@@ -209,23 +212,30 @@ class _Run:
 
 def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_ids: list[int] = (),
                 sampling: Sampling = GREEDY, cache: KVCache | None = None, history: list[int] = (),
-                ) -> Iterator[Record]:
-    """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does)."""
+                logprobs: int | None = None) -> Iterator[Record]:
+    """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does). With
+    `logprobs` = k, each token's log-probability and k alternatives come along (logprobs.py)."""
     run = _Run(model, prompt, cache, list(history), 1, max_tokens, sampling, eos_ids)
     cache, rng = run.cache, run.rng
+
+    def step(token: mx.array) -> tuple[mx.array, Pending | None]:
+        return decide(ar_logits(model, cache, token), sampling, rng, logprobs)
+
     try:
-        g0, _ = prefill(model, cache, prompt, sampling, rng)
+        logits, _ = prefill_logits(model, cache, prompt)
+        g0, lp = decide(logits, sampling, rng, logprobs)
         first = g0.item()
         run.prefilled = True
-        yield run.record([first], prefill=len(prompt))
+        yield run.record([first], lp, prefill=len(prompt))
         run.resume()
         queued = None
         while not run.emit.done:
-            g0 = queued if queued is not None else ar_step(model, cache, g0, sampling, rng)
+            g0, lp = queued if queued is not None else step(g0)
             more = len(run.emit.emitted) + 1 < max_tokens
-            queued = ar_step(model, cache, g0, sampling, rng) if more else None
-            mx.async_eval(g0 if queued is None else queued)
-            yield run.record([g0.item()])
+            queued = step(g0) if more else None
+            ahead = (g0, lp) if queued is None else queued
+            mx.async_eval(ahead[0], *(ahead[1].arrays() if ahead[1] else ()))
+            yield run.record([g0.item()], lp)
             run.resume()
     finally:
         run.settle()
@@ -234,29 +244,31 @@ def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_i
 def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, *, length: int,
                          max_tokens: int = 256, eos_ids: list[int] = (), sampling: Sampling = GREEDY,
                          cache: KVCache | None = None, history: list[int] = (),
-                         profile: bool = False) -> Iterator[Record]:
+                         profile: bool = False, logprobs: int | None = None) -> Iterator[Record]:
     """Speculative decoding with the allocator's draft sources; candidates are `length` tokens (g0 included; a
-    growing lookup copy may be longer). `profile=True` times every phase of a step honestly (`Record.phase_s`)."""
+    growing lookup copy may be longer). `profile=True` times every phase of a step honestly (`Record.phase_s`);
+    `logprobs` as in `generate_ar`."""
     run = _Run(model, prompt, cache, list(history), allocator.candidate_budget(length), max_tokens, sampling,
                eos_ids)
     cache, rng = run.cache, run.rng
     try:
-        g0, h = prefill(model, cache, prompt, sampling, rng)
+        logits, h = prefill_logits(model, cache, prompt)
+        g0, lp = decide(logits, sampling, rng, logprobs)
         first = g0.item()
         run.prefilled = True
         state = DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h)
         for src in allocator.sources:
             src.start(state.tokens)
-        yield run.record([first], prefill=len(prompt))
+        yield run.record([first], lp, prefill=len(prompt))
         run.resume()
         while not run.emit.done:
-            r = speculative_step(model, cache, state, allocator.plan(), length, sampling, rng, profile)
+            r = speculative_step(model, cache, state, allocator.plan(), length, sampling, rng, profile, logprobs)
             state.tokens.extend(r.tokens)
             state.g0, state.h = r.g0, r.h
             for src in allocator.sources:
                 src.extend(r.tokens)
             allocator.update(r.runs)
-            yield run.record(r.tokens, accepted=r.accepted, verified=r.verified, candidates=r.candidates,
+            yield run.record(r.tokens, r.logprobs, accepted=r.accepted, verified=r.verified, candidates=r.candidates,
                              runs=r.runs, source=r.source, proposed=r.proposed, phase_s=r.seconds)
             run.resume()
     finally:

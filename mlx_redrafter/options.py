@@ -26,6 +26,7 @@ from mlx_redrafter.draft.lookup import INDEXES
 from mlx_redrafter.draft.medusa_trees import DEFAULT_TREE, parse_tree
 from mlx_redrafter.draft.modes import Mode, check_mode
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.logprobs import MAX_TOP_LOGPROBS
 from mlx_redrafter.sampling import GREEDY, Sampling
 
 # Upper bounds that keep a step's verification (and the cache's scratch region) a sane size.
@@ -102,6 +103,7 @@ class DecodeOptions:
     sampling: Sampling = GREEDY
     max_tokens: int = 256
     adaptive: bool = True
+    logprobs: int | None = None  # report each emitted token's log-probability and this many alternatives (logprobs.py)
 
     @property
     def copy_length(self) -> int:
@@ -112,6 +114,8 @@ class DecodeOptions:
         """A one-line UserError naming the first bad option."""
         check_mode(self.draft)
         _check_int(self.max_tokens, "--max-tokens", 1, 1 << 31)
+        if self.logprobs is not None:
+            _check_int(self.logprobs, "--logprobs", 0, MAX_TOP_LOGPROBS, " (alternatives listed per token)")
         self.shape.check()
         self.lookup.check()
         self.drafter.check()
@@ -158,6 +162,7 @@ FLAT: dict[str, tuple[str | None, str]] = {
     "draft_confidence": ("drafter", "confidence"),
     "max_tokens": (None, "max_tokens"),
     "adaptive": (None, "adaptive"),
+    "logprobs": (None, "logprobs"),
 }
 # Sampling's fields, by the CLI's names and by their own.
 SAMPLING_FLAT = {"temp": "temperature", **{f.name: f.name for f in fields(Sampling)}}

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_redrafter.accept import accept
 from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import DecodeState, Slot, propose
+from mlx_redrafter.logprobs import Pending, along_path, pending
 from mlx_redrafter.model import Model, forward_chunked
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
 from mlx_redrafter.tree import verify_mask
@@ -24,20 +25,40 @@ from mlx_redrafter.tree import verify_mask
 PHASES = ("draft", "pack", "verify", "accept", "commit")
 
 
+def decide(logits: mx.array, sampling: Sampling = GREEDY, rng: Rng | None = None,
+           logprobs: int | None = None) -> tuple[mx.array, Pending | None]:
+    """The target's next token from its logits (1, V), and with `logprobs` = k that token's log-probability and k
+    alternatives (logprobs.py) (lazy)."""
+    token = next_token(logits, sampling, rng)
+    return token, None if logprobs is None else pending(logits, token, logprobs)
+
+
+def prefill_logits(model: Model, cache: KVCache, prompt: list[int]) -> tuple[mx.array, mx.array]:
+    """Feed the prompt at positions offset..offset+n-1; return the target's logits (1, V) and hidden state (1, H)
+    at its last position (lazy)."""
+    logits, hidden = forward_chunked(model, cache, mx.array([prompt]))
+    return logits[:, -1], hidden[:, -1]
+
+
 def prefill(model: Model, cache: KVCache, prompt: list[int], sampling: Sampling = GREEDY,
             rng: Rng | None = None) -> tuple[mx.array, mx.array]:
-    """Feed the prompt at positions offset..offset+n-1; return (g0 (1,), h (1, H)): the target's next token
-    and its hidden state at the prompt's last position (lazy)."""
-    logits, hidden = forward_chunked(model, cache, mx.array([prompt]))
-    return next_token(logits[:, -1], sampling, rng), hidden[:, -1]
+    """Feed the prompt (`prefill_logits`); return (g0 (1,), h (1, H)): the target's next token and its hidden
+    state at the prompt's last position (lazy)."""
+    logits, hidden = prefill_logits(model, cache, prompt)
+    return next_token(logits, sampling, rng), hidden
+
+
+def ar_logits(model: Model, cache: KVCache, token: mx.array) -> mx.array:
+    """Feed one token (1,); return the target's logits after it (1, V) (lazy)."""
+    logits, _ = model(token[:, None], cache)
+    cache.advance(1)
+    return logits[:, -1]
 
 
 def ar_step(model: Model, cache: KVCache, token: mx.array, sampling: Sampling = GREEDY,
             rng: Rng | None = None) -> mx.array:
     """Feed one token (1,); return the target's next token (1,) (lazy)."""
-    logits, _ = model(token[:, None], cache)
-    cache.advance(1)
-    return next_token(logits[:, -1], sampling, rng)
+    return next_token(ar_logits(model, cache, token), sampling, rng)
 
 
 @dataclass
@@ -55,12 +76,15 @@ class StepResult:
     source: str  # the source whose drafts were accepted ("" when none was)
     proposed: dict[str, int]  # per source: candidates proposed
     seconds: dict[str, float] = field(default_factory=dict)  # per phase (see `profile`)
+    logprobs: Pending | None = None  # of the decided tokens (evaluated), when asked for
 
 
 def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: list[Slot], length: int,
-                     sampling: Sampling = GREEDY, rng: Rng | None = None, profile: bool = False) -> StepResult:
+                     sampling: Sampling = GREEDY, rng: Rng | None = None, profile: bool = False,
+                     logprobs: int | None = None) -> StepResult:
     """Draft candidates of `length` tokens from every source in `plan`, verify them in one target call, keep
-    the longest accepted run and commit its KV entries.
+    the longest accepted run and commit its KV entries. With `logprobs` = k, the decided tokens' log-probabilities
+    and k alternatives each come along (logprobs.py).
 
     Without `profile` the phases are timed at the step's two syncs ("draft" includes packing; "verify"
     includes acceptance and the commit's graph). With `profile=True` every phase is evaluated before its clock
@@ -82,7 +106,8 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     h = hidden[0, acc.stop][None]
     drafted = tree.tokens[acc.path]
     lens = mx.cumprod(cands >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD
-    mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.matched, lens)
+    lp = None if logprobs is None else along_path(logits[0], acc.path, drafted, acc.n, acc.next_token, logprobs)
+    mx.eval(acc.n, acc.path, acc.next_token, h, drafted, acc.matched, lens, *(lp.arrays() if lp else ()))
     clock.lap("accept", unprofiled="verify")
     n = acc.n.item()
     cache.commit(acc.path, n + 1)  # commit (a copy only if the path is not in place; lazy)
@@ -94,7 +119,7 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     source = proposal.owner(matched.index(n)) if n > 0 else ""
     return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
                       candidates=sum(sizes), longest=max(sizes), runs=runs, source=source,
-                      proposed=proposal.proposed(), seconds=clock.seconds)
+                      proposed=proposal.proposed(), seconds=clock.seconds, logprobs=lp)
 
 
 class _Clock:

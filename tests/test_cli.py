@@ -45,6 +45,8 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--no-draft", "--draft", "rnn"], ["--no-draft", "--draft rnn"]),
         (["-p", "hi", "--drafter", "none", "--draft", "rnn"], ["--draft rnn needs", "none is loaded"]),
         (["-p", "hi", "--drafter", "random:-3"], ["random:SEED"]),
+        (["-p", "hi", "--logprobs", "2"], ["--logprobs needs --json"]),
+        (["-p", "hi", "--json", "--logprobs", "21"], ["--logprobs", "from 0 to 20"]),
     ],
 )
 def test_bad_arguments(args, needles):
@@ -97,6 +99,13 @@ def test_prompts_file_writes_one_json_per_line(tmp_path):
         assert row["generated_tokens"] == len(row["tokens"]) <= 12
         assert row["beam_width"] == 2 and row["beam_length"] == 3 and row["dtype"] == "float32"
         assert row["steps"] <= row["candidate_tokens"] <= 6 * row["steps"]  # adaptive: a failing source sits out
+        assert "logprobs" not in row
+    proc = run_cli("generate", "--prompts-file", str(f), "--json", "-n", "6", "--logprobs", "2", "-b", "2")
+    assert proc.returncode == 0, proc.stderr
+    for row in map(json.loads, proc.stdout.splitlines()):
+        assert [e["token"] for e in row["logprobs"]] == row["tokens"]
+        assert "".join(e["text"] for e in row["logprobs"]) == row["text"]
+        assert all(len(e["top"]) == 2 and e["top"][0]["logprob"] == e["logprob"] <= 0 for e in row["logprobs"])
 
 
 def test_chat_has_the_missing_drafter_rule_of_generate():

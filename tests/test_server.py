@@ -115,6 +115,39 @@ def test_completions_stop_strings_and_seeds(client):
     assert sampled[0] == sampled[1] != sampled[2]
 
 
+def test_log_probabilities_are_the_librarys_streamed_or_not(client, lm):
+    kwargs = {"model": "smollm2-135m", "messages": _chat(), "max_tokens": 24, "logprobs": True, "top_logprobs": 2}
+    res = client.chat.completions.create(**kwargs)
+    content = res.choices[0].logprobs.content
+    ref = api.generate(lm, QUESTION, max_tokens=24, logprobs=2)
+    assert len(content) == len(ref.tokens) == res.usage.completion_tokens
+    assert "".join(t.token for t in content) == res.choices[0].message.content
+    for got, want in zip(content, ref.logprobs):
+        assert got.token == lm.tokenizer.token_text(want.token) and abs(got.logprob - want.logprob) < 1e-4
+        assert bytes(got.bytes) == lm.tokenizer.token_bytes(want.token)
+        assert [t.token for t in got.top_logprobs] == [lm.tokenizer.token_text(i) for i, _ in want.top]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=24)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == res.choices[0].message.content
+
+
+def test_completions_log_probabilities_list_the_chosen_and_the_likeliest_tokens(server, client):
+    res = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4, 5,", max_tokens=8, logprobs=2)
+    lp = res.choices[0].logprobs
+    assert "".join(lp.tokens) == res.choices[0].text and len(lp.token_logprobs) == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value <= 0 and 2 <= len(top) <= 3  # greedy: the chosen token is one of the two
+    stopped = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4, 5,", max_tokens=8, logprobs=0,
+                                        stop=["8"])
+    assert "8" not in stopped.choices[0].text and "8" in stopped.choices[0].logprobs.tokens  # the stop's tokens too
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "logprobs": True}, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
 def test_a_follow_up_reuses_the_conversation_cache(client):
     first = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=16)
     follow = _chat() + [{"role": "assistant", "content": first.choices[0].message.content},
@@ -195,6 +228,9 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "seed": -5}, 400, "seed", "seed"),
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'", "stop"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "not supported", "tools"),
+    ({"messages": HI, "logprobs": 3}, 400, "'logprobs' must be true or false", "logprobs"),
+    ({"messages": HI, "top_logprobs": 3}, 400, "needs 'logprobs': true", "top_logprobs"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "from 0 to 20", "top_logprobs"),
     ({"messages": []}, 400, "messages", "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role", "messages"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content is not valid", "messages"),

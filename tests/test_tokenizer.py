@@ -154,3 +154,12 @@ def test_vicuna_layout_directory_loads_and_chats(tmp_path, sp_model):
     assert session.tokens[: len(prompt)] == prompt  # what the cache holds is the rendered conversation
     assert 2 in prompt  # the first answer was closed with </s>
     assert session.last.prefill_tokens < session.last.prompt_tokens
+
+
+def test_each_tokens_bytes_add_up_to_the_text(sp_tok, target):
+    for tok, text in ((sp_tok, " " + TEXT), (target.tokenizer, TEXT)):  # SentencePiece's dummy prefix: a space
+        ids = tok.encode(TEXT)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+        parts = [tok.token_text(i) for i in ids]
+        assert any("\ufffd" in t for t in parts)  # a token holding part of a character shows U+FFFD on its own
+    assert [target.tokenizer.token_bytes(i) for i in target.tokenizer.eos_ids] == [b"<|endoftext|>", b"<|im_end|>"]

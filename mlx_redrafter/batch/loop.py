@@ -30,9 +30,10 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import Allocator, DecodeState, drafting_kind, host_only, host_proposals
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Emitter, Record
+from mlx_redrafter.logprobs import Pending, pending
 from mlx_redrafter.model import Model
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling
-from mlx_redrafter.step import prefill
+from mlx_redrafter.step import decide, prefill_logits
 
 
 @dataclass
@@ -44,6 +45,7 @@ class _Seq:
     state: DecodeState
     allocator: Allocator | None
     base: int  # tokens of history + prompt
+    logprobs: int | None = None  # alternatives per token when the row reports log-probabilities (logprobs.py)
 
 
 class Batch:
@@ -64,10 +66,11 @@ class Batch:
 
     def add(self, key: object, prompt: list[int], *, max_tokens: int, sampling: Sampling = GREEDY,
             allocator: Allocator | None = None, cache: KVCache | None = None, history: list[int] = (),
-            rng: Rng | None = None, length: int | None = None) -> Record:
+            rng: Rng | None = None, length: int | None = None, logprobs: int | None = None) -> Record:
         """Prefill `prompt` (after the `history` a passed one-row `cache` holds) and join the batch; returns the
-        prefill's record (its one token). `length` caps this row's candidates (default: the batch's). A row that
-        is done at once (eos first, max_tokens 1) joins too: remove it like any finished row."""
+        prefill's record (its one token). `length` caps this row's candidates (default: the batch's); with
+        `logprobs` = k, every record of this row carries its tokens' log-probabilities and k alternatives each. A
+        row that is done at once (eos first, max_tokens 1) joins too: remove it like any finished row."""
         if not prompt:
             raise UserError("the prompt is empty: give at least one token")
         t = time.perf_counter()
@@ -76,12 +79,13 @@ class Batch:
         if one.offset != len(history):
             raise ValueError(f"the cache holds {one.offset} tokens but the history has {len(history)}")
         rng = rng if rng is not None or sampling.greedy else Rng(sampling.seed)
-        g0, h = prefill(self.model, one, prompt, sampling, rng)
-        mx.eval(g0, h, *one.state())
+        logits, h = prefill_logits(self.model, one, prompt)
+        g0, lp = decide(logits, sampling, rng, logprobs)
+        mx.eval(g0, h, *one.state(), *(lp.arrays() if lp else ()))
         first = g0.item()
         seq = _Seq(key, Emitter(max_tokens, self.eos), sampling, rng,
                    DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h), allocator,
-                   len(history) + len(prompt))
+                   len(history) + len(prompt), logprobs)
         tokens = seq.emit([first])
         self.cache.join(one)
         mx.eval(*self.cache.state())  # the copy into the batch's cache is the join's cost, not the next step's
@@ -91,7 +95,7 @@ class Batch:
                 src.start(seq.state.tokens)
         self.seqs.append(seq)
         return Record(tokens=tokens, decided=1, seconds=time.perf_counter() - t, prefill=len(prompt),
-                      stop=seq.emit.stop)
+                      stop=seq.emit.stop, logprobs=None if lp is None else lp.host(len(tokens)))
 
     def done(self) -> list[object]:
         """The rows whose generation ended (remove them before the next step)."""
@@ -127,14 +131,14 @@ class Batch:
                                       [max(c.shape[1] for c in h.values()) if host_only(p, h) else None
                                        for p, h in zip(plans, host)])
         if max(lengths) <= 1:
-            decided, results = self._plain(seqs), None
+            (decided, logprobs), results = self._plain(seqs), None
         else:
             capped = self.budget.caps_candidates
-            rows = [Row(s.state, plan if n > 1 else [], n, s.rng, s.sampling, capped and s.sampling.greedy)
-                    for s, plan, n in zip(seqs, plans, lengths)]
+            rows = [Row(s.state, plan if n > 1 else [], n, s.rng, s.sampling, capped and s.sampling.greedy,
+                        s.logprobs) for s, plan, n in zip(seqs, plans, lengths)]
             results = speculative_step(self.model, self.cache, rows,
                                        [h if n > 1 else {} for h, n in zip(host, lengths)])
-            decided = [res.tokens for res in results]
+            decided, logprobs = [res.tokens for res in results], [res.logprobs for res in results]
             for s, res in zip(seqs, results):
                 s.state.g0, s.state.h = res.g0, res.h
         for i, (s, d) in enumerate(zip(seqs, decided)):
@@ -149,33 +153,40 @@ class Batch:
         drafted = lengths if results is None else [min(n, res.longest) for n, res in zip(lengths, results)]
         self.budget.observe(drafted, accepted, seconds)
         out = []
-        for i, (s, d) in enumerate(zip(seqs, decided)):
+        for i, (s, d, lp) in enumerate(zip(seqs, decided, logprobs)):
             tokens = s.emit(d)
+            lps = None if lp is None else lp.host(len(tokens))
             if results is None:
-                out.append((s.key, Record(tokens=tokens, decided=1, seconds=seconds, verified=1, stop=s.emit.stop)))
+                out.append((s.key, Record(tokens=tokens, decided=1, seconds=seconds, verified=1, stop=s.emit.stop,
+                                          logprobs=lps)))
             else:
                 res = results[i]
                 out.append((s.key, Record(tokens=tokens, decided=len(d), seconds=seconds, accepted=res.accepted,
                                           verified=res.verified, candidates=res.candidates, runs=res.runs,
-                                          source=res.source, proposed=res.proposed, stop=s.emit.stop)))
+                                          source=res.source, proposed=res.proposed, stop=s.emit.stop,
+                                          logprobs=lps)))
         return out
 
-    def _plain(self, seqs: list[_Seq]) -> list[list[int]]:
+    def _plain(self, seqs: list[_Seq]) -> tuple[list[list[int]], list[Pending | None]]:
+        """One plain step for every row: the token each decided, and its log-probabilities where asked for."""
         g0 = mx.concatenate([s.state.g0 for s in seqs])
-        nxt, hidden = ar_step(self.model, self.cache, g0, [s.sampling for s in seqs], [s.rng for s in seqs])
-        mx.eval(nxt, hidden)
+        nxt, hidden, logits = ar_step(self.model, self.cache, g0, [s.sampling for s in seqs], [s.rng for s in seqs])
+        lps = [None if s.logprobs is None else pending(logits[r : r + 1], nxt[r : r + 1], s.logprobs)
+               for r, s in enumerate(seqs)]
+        mx.eval(nxt, hidden, *(a for lp in lps if lp for a in lp.arrays()))
         decided = [[x] for x in nxt.tolist()]
         for r, s in enumerate(seqs):
             s.state.g0, s.state.h = nxt[r : r + 1], hidden[r : r + 1]
-        return decided
+        return decided, lps
 
 
 def generate_batch(model: Model, prompts: Iterable[list[int]], *, batch_size: int, max_tokens: int = 256,
                    eos_ids: Iterable[int] = (), sampling: Sampling = GREEDY,
                    allocator: Callable[[], Allocator | None] = lambda: None, length: int = 4,
-                   budget: Budget | None = None) -> Iterator[tuple[int, Record]]:
+                   budget: Budget | None = None, logprobs: int | None = None) -> Iterator[tuple[int, Record]]:
     """Decode every prompt, `batch_size` at a time (see the module docstring). `allocator()` builds one row's
-    draft sources (None: plain decoding); `length` is the longest candidate a row drafts (g0 included)."""
+    draft sources (None: plain decoding); `length` is the longest candidate a row drafts (g0 included);
+    `logprobs` as in `Batch.add`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size must be an integer >= 1 (got {batch_size!r})")
     pending = deque(enumerate(prompts))
@@ -185,7 +196,7 @@ def generate_batch(model: Model, prompts: Iterable[list[int]], *, batch_size: in
             index, prompt = pending.popleft()
             rng = None if sampling.greedy else Rng(None if sampling.seed is None else sampling.seed + index)
             yield index, batch.add(index, prompt, max_tokens=max_tokens, sampling=sampling, allocator=allocator(),
-                                   rng=rng)
+                                   rng=rng, logprobs=logprobs)
             if batch.done():
                 batch.remove(index)
         yield from batch.step()

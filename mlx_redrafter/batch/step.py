@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_redrafter.accept import accept
 from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.draft.base import DecodeState, Proposal, Slot, propose_rows
+from mlx_redrafter.logprobs import along_path
 from mlx_redrafter.model import Model, Ragged
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
 from mlx_redrafter.step import StepResult
@@ -37,21 +38,22 @@ class Row:
     rng: Rng | None = None
     sampling: Sampling = GREEDY
     capped: bool = False
+    logprobs: int | None = None  # the decided tokens' log-probabilities with this many alternatives (logprobs.py)
 
 
 def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sampling],
-            rngs: list[Rng | None]) -> tuple[mx.array, mx.array]:
-    """Feed one token per row (B,); return each row's next token (B,) under its own sampling settings and its
-    hidden state there (B, H) (what a drafter conditions on) (lazy)."""
+            rngs: list[Rng | None]) -> tuple[mx.array, mx.array, mx.array]:
+    """Feed one token per row (B,); return each row's next token (B,) under its own sampling settings, its
+    hidden state there (B, H) (what a drafter conditions on) and the logits it was decided from (B, V) (lazy)."""
     B = cache.rows
     positions = mx.array(cache.lengths, dtype=mx.int32)[:, None]
     mask = mx.concatenate([cache.context_mask(), mx.ones((B, 1), dtype=mx.bool_)], axis=1)[:, None, None]
     logits, hidden = model(tokens[:, None], cache, positions, mask)
     cache.commit_rows(None, [1] * B)
     if all(s.greedy for s in samplings):
-        return next_token(logits[:, -1], GREEDY, None), hidden[:, -1]
+        return next_token(logits[:, -1], GREEDY, None), hidden[:, -1], logits[:, -1]
     return mx.concatenate([next_token(logits[r : r + 1, -1], s, rng)
-                           for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1]
+                           for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1], logits[:, -1]
 
 
 def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
@@ -87,19 +89,23 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
         key = None if row.sampling.greedy else row.rng.next()
         acc = accept(p.candidates, t, logits[s : s + t.size], row.sampling, key)
         lens = mx.cumprod(p.candidates >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD
-        outs.append((acc, hidden[s + acc.stop][None], t.tokens[acc.path], lens))
-    mx.eval([[a.n, a.path, a.next_token, h, d, a.matched, n] for a, h, d, n in outs])
+        drafted = t.tokens[acc.path]
+        lp = None if row.logprobs is None else along_path(logits[s : s + t.size], acc.path, drafted, acc.n,
+                                                          acc.next_token, row.logprobs)
+        outs.append((acc, hidden[s + acc.stop][None], drafted, lens, lp))
+    mx.eval([[a.n, a.path, a.next_token, h, d, a.matched, n, *(lp.arrays() if lp else ())]
+             for a, h, d, n, lp in outs])
     width = max(a.path.shape[0] for a, *_ in outs)
     paths = mx.stack([mx.pad(a.path, [(0, width - a.path.shape[0])]) for a, *_ in outs])
     counts = [a.n.item() + 1 for a, *_ in outs]
     cache.commit_rows(paths, counts)  # commit
     results = []
-    for (acc, h, drafted, lens), p, t, c in zip(outs, proposals, trees, counts):
+    for (acc, h, drafted, lens, lp), p, t, c in zip(outs, proposals, trees, counts):
         n = c - 1
         matched, sizes = acc.matched.tolist(), lens.tolist()
         results.append(StepResult(
             tokens=drafted[1 : n + 1].tolist() + acc.next_token.tolist(), g0=acc.next_token.astype(mx.int32), h=h,
             accepted=n, verified=t.size, candidates=sum(sizes), longest=max(sizes),
             runs=p.by_source(matched),
-            source=p.owner(matched.index(n)) if n > 0 else "", proposed=p.proposed()))
+            source=p.owner(matched.index(n)) if n > 0 else "", proposed=p.proposed(), logprobs=lp))
     return results

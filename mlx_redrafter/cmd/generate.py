@@ -23,6 +23,8 @@ def generate(
     dtype: str = typer.Option("auto", help=c.DTYPE_HELP),
     chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
+    logprobs: int | None = typer.Option(None, "--logprobs", help="With --json: each token's log-probability under "
+                                        "the target and this many likeliest alternatives (0-20)."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together, sharing each target "
                                    "call (continuous batching; with --prompts-file). 1 = one at a time."),
     *,
@@ -35,7 +37,9 @@ def generate(
 
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
-    res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
+    if logprobs is not None and not as_json:
+        raise UserError("--logprobs needs --json: the log-probabilities are printed in the JSON records")
+    res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens, logprobs=logprobs)
     prompts = [prompt] if prompt is not None else [r["prompt"] for r in read_prompts(prompts_file)]
     lm = c.load_model(model, drafter, res)
     s = api.settings(lm, res.options)
@@ -46,10 +50,7 @@ def generate(
         return
     for p in prompts:
         if as_json:
-            out = api.generate(lm, p, res.options, chat=chat)
-            typer.echo(json.dumps({"prompt": p, "text": out.text, "tokens": out.tokens, **out.settings,
-                                   **out.stats.as_dict(), "settings_source": res.source,
-                                   "settings_origin": res.origin}))
+            typer.echo(_json_record(lm, p, api.generate(lm, p, res.options, chat=chat), res))
             continue
         stats = Stats()
         for r in api.stream_generate(lm, p, res.options, chat=chat):
@@ -77,9 +78,7 @@ def _generate_batch(lm, prompts: list[str], res, s: dict, batch_size: int, chat:
     seconds = time.perf_counter() - t
     for p, out in zip(prompts, results):
         if as_json:
-            typer.echo(json.dumps({"prompt": p, "text": out.text, "tokens": out.tokens, **out.settings,
-                                   **out.stats.as_dict(), "settings_source": res.source,
-                                   "settings_origin": res.origin}))
+            typer.echo(_json_record(lm, p, out, res))
         else:
             typer.echo(out.text)
     tokens = sum(r.stats.generated_tokens for r in results)
@@ -87,3 +86,15 @@ def _generate_batch(lm, prompts: list[str], res, s: dict, batch_size: int, chat:
     typer.echo(f"[{len(prompts)} prompts, {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tok/s, "
                f"{(tokens - len(prompts)) / max(calls, 1):.2f} tokens per row and call, batch {batch_size}, "
                f"draft={s['draft']}]", err=True)
+
+
+def _json_record(lm, prompt: str, out, res) -> str:
+    """A completion as one JSON line: text, ids, settings, statistics (and log-probabilities when asked for)."""
+    record = {"prompt": prompt, "text": out.text, "tokens": out.tokens, **out.settings, **out.stats.as_dict(),
+              "settings_source": res.source, "settings_origin": res.origin}
+    if out.logprobs is not None:
+        text = lm.tokenizer.token_text
+        record["logprobs"] = [{"token": e.token, "text": text(e.token), "logprob": e.logprob,
+                               "top": [{"token": i, "text": text(i), "logprob": v} for i, v in e.top]}
+                              for e in out.logprobs]
+    return json.dumps(record)

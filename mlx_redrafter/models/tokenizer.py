@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -108,6 +109,28 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of token ids, special tokens included."""
         return self.backend.decode(list(ids))
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` adds to text (a piece of a multi-byte character where the token holds part of one;
+        the piece as the vocabulary writes it, e.g. SentencePiece's leading space, where decoding a token alone
+        would drop it)."""
+        piece = self.backend.id_to_token(i)
+        if piece is None:
+            return self.decode([i]).encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte token (byte fallback)
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self.kind == "bpe" and type(self.tok.decoder).__name__ == "ByteLevel":
+            table = _byte_values()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def token_text(self, i: int) -> str:
+        """Token `i` as text on its own (`token_bytes` decoded; a partial character shows as U+FFFD)."""
+        return self.token_bytes(i).decode("utf-8", errors="replace")
 
     def set_template(self, template: str | None, source: str) -> None:
         """Use this chat template (None: none; prompts are then the messages' plain text)."""
@@ -245,6 +268,21 @@ def _added_tokens_decoder(tcfg: dict[str, Any], where: Path) -> dict[str, int]:
                             f"{shown(k)}: {shown(v)})")
         out[text] = int(k)
     return out
+
+
+@functools.cache
+def _byte_values() -> dict[str, int]:
+    """Byte-level BPE's alphabet: the printable character that stands for each byte value (GPT-2's mapping)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _bpe_from_gguf(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:

@@ -89,11 +89,12 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
         ids = _encode(lm, req)
         job = Job(ids, _fit(lm, req, len(ids)), req.stop, asyncio.get_running_loop())
         scheduler.submit(job)
+        wire = protocol.Logprobs(req, lm.tokenizer) if req.options.logprobs is not None else None
         if req.stream:
-            return StreamingResponse(_stream(req, job), media_type="text/event-stream",
+            return StreamingResponse(_stream(req, job, wire), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return await _answer(request, req, job)
+            return await _answer(request, req, job, wire)
         finally:
             job.cancel()  # a client that went away while waiting stops its request
 
@@ -184,10 +185,10 @@ def _fit(lm: api.LoadedModel, req: protocol.Request, prompt_tokens: int) -> Deco
     return req.options.updated(max_tokens=min(asked, room))
 
 
-async def _answer(request: Request, req: protocol.Request, job: Job) -> Response:
-    """The whole answer once the job is done; an empty response if the client went away first (the caller
-    cancels the job)."""
-    text, finish, use = [], "stop", {}
+async def _answer(request: Request, req: protocol.Request, job: Job, wire: protocol.Logprobs | None) -> Response:
+    """The whole answer once the job is done (with its tokens' log-probabilities through `wire`); an empty
+    response if the client went away first (the caller cancels the job)."""
+    text, finish, use, logprobs = [], "stop", {}, []
     last_check = [time.monotonic()]
     while True:
         ev = await _next_event(request, job, last_check)
@@ -195,12 +196,14 @@ async def _answer(request: Request, req: protocol.Request, job: Job) -> Response
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
         if ev.kind == "text":
             text += [t for t, _ in ev.pieces]
+            logprobs += ev.logprobs
         elif ev.kind == "done":
             finish, use = ev.finish, ev.usage
             break
         else:
             raise ev.error
-    return JSONResponse(protocol.completion(req, "".join(text), finish, use))
+    return JSONResponse(protocol.completion(req, "".join(text), finish, use,
+                                            None if wire is None else wire.wire(logprobs)))
 
 
 async def _next_event(request: Request, job: Job, last_check: list[float]) -> Event | None:
@@ -222,16 +225,19 @@ async def _next_event(request: Request, job: Job, last_check: list[float]) -> Ev
         get.cancel()
 
 
-async def _stream(req: protocol.Request, job: Job) -> AsyncIterator[str]:
-    """Server-sent events: chunks as the scheduler decides tokens, then [DONE]; the job stops if the client goes."""
+async def _stream(req: protocol.Request, job: Job, wire: protocol.Logprobs | None) -> AsyncIterator[str]:
+    """Server-sent events: chunks as the scheduler decides tokens, then [DONE]; the job stops if the client goes.
+    With `wire`, an event's first chunk carries the log-probabilities of the tokens it came from (a chunk with no
+    text where a stop string holds the text back)."""
     first = True
     try:
         while True:
             ev: Event = await job.queue.get()
             if ev.kind == "text":
-                for text, origin in ev.pieces:
-                    yield _sse(protocol.chunk(req, text, origin={"origin": origin}, first=first))
-                    first = False
+                logprobs = None if wire is None or not ev.logprobs else wire.wire(ev.logprobs)
+                for text, origin in ev.pieces or [("", "target")]:
+                    yield _sse(protocol.chunk(req, text, origin={"origin": origin}, first=first, logprobs=logprobs))
+                    first, logprobs = False, None
             elif ev.kind == "done":
                 yield _sse(protocol.chunk(req, "", finish=ev.finish, first=first))
                 if req.include_usage:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from mlx_redrafter.models.tokenizer import TextTokenizer
 from mlx_redrafter.options import DecodeOptions
 from mlx_redrafter.schema import shown
 
@@ -22,9 +24,9 @@ DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup",
                  "top_k", "min_p", "seed", "accept", "typical_eps", "typical_delta")
 TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields that take a string
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
-UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprobs": None, "logit_bias": None,
-               "presence_penalty": 0, "frequency_penalty": 0, "response_format": None, "suffix": None, "echo": False,
-               "best_of": 1}  # field -> the value that means "not used"
+# Fields this server does not serve -> the value that means "not used".
+UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+               "response_format": None, "suffix": None, "echo": False, "best_of": 1}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 MAX_STOPS = 4
 
@@ -101,7 +103,26 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
             raise _bad("'stream_options' must be an object", "stream_options")
         req.include_usage = _bool(opts, "include_usage", False)
     req.options, req.max_tokens_field = _options(body, base)
+    req.options = req.options.updated(logprobs=_logprobs(body, kind))
     return req
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token the answer lists with the tokens' log-probabilities (None: no
+    log-probabilities): chat's `logprobs` (true/false) and `top_logprobs`, or the completions' `logprobs` (a count)."""
+    def count(name: str) -> int:
+        value = body[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise _bad(f"'{name}' must be an integer from 0 to {MAX_TOP_LOGPROBS} (got {value!r})", name)
+        return value
+
+    if kind == "text":
+        return None if body.get("logprobs") is None else count("logprobs")
+    on = _bool(body, "logprobs", False)
+    top = None if body.get("top_logprobs") is None else count("top_logprobs")
+    if top is not None and not on:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _bool(d: dict, name: str, default: bool) -> bool:
@@ -211,32 +232,62 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int, stats: Any, d
 
 
 def chunk(req: Request, text: str, finish: str | None = None, origin: dict | None = None,
-          first: bool = False) -> dict[str, Any]:
-    """One streamed chunk (chat.completion.chunk or text_completion)."""
+          first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk (chat.completion.chunk or text_completion); `logprobs` from `Logprobs.wire`."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish is not None and not text:
             delta = {}
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         obj = "chat.completion.chunk"
     else:
-        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}, "text_completion"
+        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}, "text_completion"
     out = {"id": _id(req), "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
     if origin is not None:
         out["redrafter"] = origin
     return out
 
 
-def completion(req: Request, text: str, finish: str, use: dict[str, Any]) -> dict[str, Any]:
-    """The whole answer (not streamed)."""
+def completion(req: Request, text: str, finish: str, use: dict[str, Any],
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole answer (not streamed); `logprobs` from `Logprobs.wire`."""
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         obj = "chat.completion"
     else:
-        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}, "text_completion"
+        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}, "text_completion"
     return {"id": _id(req), "object": obj, "created": req.created, "model": req.model, "choices": [choice],
             "usage": use}
+
+
+class Logprobs:
+    """Tokens' log-probabilities in OpenAI's wire format: chat's `{"content": [{token, logprob, bytes,
+    top_logprobs}]}`, or the completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (each token's
+    alternatives there: the chosen token and the most likely ones, as OpenAI lists them). Holds the running text
+    offset of a streamed completion."""
+
+    def __init__(self, req: Request, tokenizer: TextTokenizer):
+        self.kind, self.tokenizer, self.offset = req.kind, tokenizer, 0
+
+    def wire(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """The wire object of the next `entries` of the answer."""
+        text = self.tokenizer.token_text
+        if self.kind == "chat":
+            def one(i: int, lp: float) -> dict[str, Any]:
+                return {"token": text(i), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(i))}
+            return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]}
+                                for e in entries], "refusal": None}
+        tokens = [text(e.token) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(e.token): e.logprob, **{text(i): v for i, v in e.top}} for e in entries],
+                "text_offset": offsets}
 
 
 def _id(req: Request) -> str:

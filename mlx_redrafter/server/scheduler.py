@@ -26,6 +26,7 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.chat import common_prefix
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Record, Stats
+from mlx_redrafter.logprobs import TokenLogprob
 from mlx_redrafter.models.tokenizer import StreamingDetokenizer
 from mlx_redrafter.options import MAX_CANDIDATE_LENGTH, DecodeOptions
 from mlx_redrafter.server.protocol import ApiError, usage
@@ -38,6 +39,7 @@ class Event:
 
     kind: str  # text | done | error
     pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, origin: target | draft:<source>)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this event's text came from
     finish: str = ""  # stop | length (done)
     usage: dict[str, Any] = field(default_factory=dict)
     error: ApiError | None = None
@@ -185,7 +187,7 @@ class Scheduler:
         allocator = api.make_allocator(self.lm, o)
         run.first = self.batch.add(run, job.ids[keep:], max_tokens=min(o.max_tokens, room), sampling=o.sampling,
                                    allocator=allocator, cache=cache, history=job.ids[:keep],
-                                   length=o.shape.length if allocator is not None else 1)
+                                   length=o.shape.length if allocator is not None else 1, logprobs=o.logprobs)
         return run
 
     def _step(self) -> None:
@@ -206,8 +208,8 @@ class Scheduler:
         run.stats.add(record)
         run.tokens.extend(record.tokens)
         pieces, hit = run.stops.add(_pieces(run.detok, record))
-        if pieces:
-            job.put(Event("text", pieces=pieces))
+        if pieces or record.logprobs:  # a stop string's tokens too: the text holds them back, or cuts them
+            job.put(Event("text", pieces=pieces, logprobs=record.logprobs or []))
         if hit:
             self._finish(run, "stop")
         elif record.stop:

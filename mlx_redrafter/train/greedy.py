@@ -129,7 +129,7 @@ class GreedyRows:
         if live < self.compact_below * len(self.keys):
             self._compact()
         B = len(self.keys)
-        nxt, h = ar_step(self.model, self.cache, self.nxt, [GREEDY] * B, [None] * B)
+        nxt, h, _ = ar_step(self.model, self.cache, self.nxt, [GREEDY] * B, [None] * B)
         self.nxt, self.h = nxt.astype(mx.int32), self._last_state(h)
         self._take([i for i, k in enumerate(self.keys) if self.running[k]])
 
