@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mlx_redrafter import api
 from mlx_redrafter.errors import UserError
@@ -73,6 +74,19 @@ class ChatSession:
         if self.max_context < 2 * MIN_ANSWER_ROOM:
             raise UserError(f"--max-context must be at least {2 * MIN_ANSWER_ROOM} tokens (got {self.max_context})")
         self.last: Turn | None = None
+        self.reset()
+
+    def set_options(self, **flat: Any) -> None:
+        """Change decoding options by flat name for the next answers (`DecodeOptions.updated`); a bad value, or a
+        draft mode the loaded drafter cannot serve, is a one-line UserError that changes nothing."""
+        options = self.options.updated(**flat)
+        options.check()
+        mode = api.draft_mode(self.lm, options)
+        self.options, self.mode = options, mode
+
+    def set_system(self, system: str | None) -> None:
+        """Use this system prompt (None: the template's own) and start a new conversation."""
+        self.system = system
         self.reset()
 
     def reset(self) -> None:

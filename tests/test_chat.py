@@ -4,6 +4,7 @@ overflow on the embedded model (greedy, short answers)."""
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -173,3 +174,51 @@ def test_without_a_drafter_auto_drafts_by_lookup_and_a_drafter_mode_is_an_error(
     for mode in ("rnn", "rnn+lookup", "lookup-else-rnn", "medusa", "semi_ar"):
         with pytest.raises(UserError, match=f"--draft {re.escape(mode)} needs a .* drafter, but none is loaded"):
             ChatSession(bare, api.decode_options(draft=mode))
+
+
+def chat_piped(lines: list[str], *args: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MKL_NUM_THREADS="1", REDRAFTER_TUNED_FILE=str(tmp_path / "none.json"))
+    return subprocess.run([CLI, "chat", *args], input="".join(f"{line}\n" for line in lines), capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_set_changes_the_next_answers_options_and_the_system_prompt(target, tmp_path):
+    tok = target.tokenizer
+    system, question = "You are a pirate.", "Who are you?"
+    proc = chat_piped(["/set max-tokens 5", "Tell me a story.", "/set draft none", "/set --temp 0.8",
+                       "/set seed 3", question, f"/set system {system}", question, "/set"], "-n", "40",
+                      tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "[max-tokens = 5]" in proc.stdout and "[--temp = 0.8]" in proc.stdout
+    summaries = re.findall(r"\[(\d+) tokens, [\d.]+ tok/s, ([\d.]+) tokens/call, prefill (\d+) tokens", proc.stderr)
+    assert [int(n) for n, _, _ in summaries] == [5, 5, 5]
+    assert [float(c) for _, c, _ in summaries[1:]] == [1.0, 1.0]  # --draft none from the second answer on
+    assert "[system prompt set; new conversation]" in proc.stdout
+    fresh = tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    assert int(summaries[2][2]) == len(fresh)  # the new system prompt, in a new conversation
+    assert "draft=none temperature=0.8 " in proc.stdout and "seed=3" in proc.stdout and "system: 'You are" in \
+        proc.stdout
+
+
+@pytest.mark.parametrize("line,args,needle", [
+    ("/set top-k many", (), "/set top-k: 'many' is not an integer"),
+    ("/set temp -1", (), "--temp must be a finite number >= 0"),
+    ("/set warp 9", (), "/set warp: unknown option"),
+    ("/set beam-length", (), "/set beam-length needs one value"),
+    ("/set draft rnn", ("--drafter", "none"), "--draft rnn needs a ReDrafter"),
+])
+def test_a_bad_set_is_one_error_line_and_piped_input_ends(line, args, needle, tmp_path):
+    proc = chat_piped([line, "not reached"], "-n", "4", *args, tmp_path=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr  # after the banner, one line
+    assert "tokens/call" not in proc.stderr  # nothing was answered after it
+
+
+def test_a_refused_option_leaves_the_session_as_it_was(lm):
+    session = ChatSession(lm, api.decode_options(max_tokens=7))
+    with pytest.raises(UserError, match="--beam-length"):
+        session.set_options(beam_length=1)
+    assert session.options.shape.length != 1 and session.options.max_tokens == 7
+    session.set_options(draft="lookup", temperature=0.5)
+    assert session.mode.name == "lookup" and session.options.sampling.temperature == 0.5

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import signal
 import sys
+import typing
 from types import FrameType
 
 import typer
 
 from mlx_redrafter.cmd import common as c
+from mlx_redrafter.errors import UserError
+
+# What /set changes: the decoding flags (by their flat names, with the type their flag parses) and the answer length.
+SETTABLE: dict[str, type] = {
+    **{name: next(t for t in typing.get_args(kind) if t is not type(None))
+       for name, (kind, _) in c.DECODE_FLAGS.items() if name != "no_draft"},
+    "temperature": float, "max_tokens": int,
+}
 
 HELP = """commands:
   /stats   speed, tokens per target call, acceptance by draft source, prefill tokens of the last turn
   /reset   start a new conversation (the system prompt stays)
+  /set NAME VALUE
+           change a decoding option for the next answers, by its flag's name: /set temp 0.7, /set draft lookup,
+           /set beam-length 5, /set max-tokens 200, /set seed 3; /set system TEXT starts a new conversation with
+           that system prompt; /set alone shows the settings and the names
   /help    this help
   /quit    quit (also: empty line, Ctrl-D, Ctrl-C at the prompt)
 Ctrl-C while an answer streams stops that answer; the conversation goes on."""
@@ -48,6 +61,45 @@ def _read(prompt: str) -> str | None:
         return None
     line = line.strip()
     return None if line in ("", "/quit", "/exit") else line
+
+
+def _set(session, args: str) -> str:
+    """Apply `/set NAME VALUE` (or `/set system TEXT`) to the session; returns what to show. A bad name or value
+    is a one-line UserError that changes nothing."""
+    name, _, value = args.strip().partition(" ")
+    key, value = name.lstrip("-").replace("-", "_"), value.strip()
+    if not name:
+        return f"settings: {_settings(session)}\nnames: {', '.join(n.replace('_', '-') for n in SETTABLE)}, system"
+    if key == "system":
+        session.set_system(value or None)
+        return "[system prompt set; new conversation]" if value else "[the template's system prompt; new conversation]"
+    if key not in SETTABLE:
+        raise UserError(f"/set {name}: unknown option; /set alone lists the names")
+    if not value or " " in value:
+        raise UserError(f"/set {name} needs one value, e.g. /set {name} {_example(SETTABLE[key])}")
+    kind = SETTABLE[key]
+    try:
+        parsed = kind(value)
+    except ValueError:
+        raise UserError(f"/set {name}: {value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    session.set_options(**{key: parsed})
+    return f"[{name} = {value}] {_settings(session)}"
+
+
+def _example(kind: type) -> str:
+    return {int: "3", float: "0.7"}.get(kind, "lookup")
+
+
+def _settings(session) -> str:
+    """The decoding settings the next answer uses, on one line."""
+    from mlx_redrafter import api
+
+    s, o = api.settings(session.lm, session.options), session.options
+    shape = "".join(f" {label}={s[key]}" for key, label in (("beam_width", "W"), ("beam_length", "L"),
+                                                           ("lookup_width", "lookup-W")) if s.get(key))
+    sampling = " ".join(f"{k}={v}" for k, v in o.sampling.as_dict().items())
+    system = "the template's" if session.system is None else repr(session.system[:40])
+    return f"draft={s['draft']}{shape} {sampling} max-tokens={o.max_tokens} system: {system}"
 
 
 def _answer(session, line: str) -> bool:
@@ -130,6 +182,13 @@ def chat(
             typer.echo("[new conversation]")
         elif line == "/stats":
             typer.echo(session.stats_text())
+        elif line == "/set" or line.startswith("/set "):
+            try:
+                typer.echo(_set(session, line[4:]))
+            except UserError as e:
+                typer.echo(f"error: {e}", err=True)
+                if not interactive:
+                    raise typer.Exit(2) from None
         elif line.startswith("/") and " " not in line:
             typer.echo(f"unknown command {line}; /help lists the commands")
         elif not _answer(session, line) and not interactive:
