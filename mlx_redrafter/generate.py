@@ -48,6 +48,7 @@ class Record:
     stop: str = ""  # eos | max_tokens on the record that ended the generation
     peak_memory_gb: float = 0.0  # peak MLX memory since the generation began
     logprobs: list[TokenLogprob] | None = None  # of `tokens`, one each, when asked for (logprobs.py)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prefill's: of its prompt's tokens after the first
 
 
 @dataclass

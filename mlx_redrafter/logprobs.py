@@ -4,16 +4,19 @@ They are the target's own: log-softmax of its raw logits at the position that de
 top-k/p and min-p do not change them; mlx-lm and vLLM report the same by default), whatever proposed the token.
 A speculative step reads them from the verify call's logits along the accepted path, so they cost no extra
 target call; they are computed only when asked for (`DecodeOptions.logprobs`: None = off, k = the chosen token's
-and the k most likely tokens'), lazily, and evaluated with the step's own sync.
+and the k most likely tokens'), lazily, and evaluated with the step's own sync. A prompt's own tokens can be
+scored too (`of_prompt`, from the prefill's hidden states: what an evaluation harness asks a server with `echo`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's and vLLM's default limit)
+PROMPT_CHUNK = 512  # prompt positions whose logits `of_prompt` holds at once (~100 MB with 49,152 tokens)
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,19 @@ def along_path(logits: mx.array, path: mx.array, drafted: mx.array, n: mx.array,
     after = mx.concatenate([drafted[1:], next_token.astype(drafted.dtype)])
     after = mx.where(mx.arange(L) == n, next_token.astype(drafted.dtype), after)
     return pending(logits[path], after, top)
+
+
+def of_prompt(model: Any, hidden: mx.array, prompt: list[int], top: int,
+              chunk: int = PROMPT_CHUNK) -> list[TokenLogprob]:
+    """Log-probabilities of each prompt token after the ones before it (the first has none, so the list is one
+    shorter than the prompt), from the prefill's hidden states at every position (1, N, F); evaluated `chunk`
+    positions at a time, so a long prompt never holds all its logits at once."""
+    post = model.last_state(hidden)
+    after = mx.array(prompt[1:], dtype=mx.int32)
+    out: list[TokenLogprob] = []
+    for a in range(0, len(prompt) - 1, chunk):
+        b = min(a + chunk, len(prompt) - 1)
+        part = pending(model.logits(post[:, a:b])[0], after[a:b], top)
+        mx.eval(*part.arrays())
+        out += part.host()
+    return out

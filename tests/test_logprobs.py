@@ -86,3 +86,20 @@ def test_log_probabilities_are_off_unless_asked_for_and_checked(lm):
     for bad in (-1, 21, True, 2.5):
         with pytest.raises(UserError, match="--logprobs must be an integer from 0 to 20"):
             decode_options(logprobs=bad)
+
+
+def test_a_batch_row_can_score_its_prompt(lm):
+    from mlx_redrafter.batch.loop import Batch
+
+    model, tok = lm.target.model, lm.tokenizer
+    prompt = tok.encode("The capital of France is Paris. The capital of Germany is")
+    batch = Batch(model, tok.eos_ids)
+    first = batch.add("a", prompt, max_tokens=4, logprobs=2, score_prompt=True)
+    plain = batch.add("b", prompt, max_tokens=4, logprobs=2)
+    assert plain.prompt_logprobs is None and first.tokens == plain.tokens
+    scored = first.prompt_logprobs
+    assert [e.token for e in scored] == prompt[1:]  # every token after the first
+    x = model(mx.array([prompt]), model.make_cache(len(prompt) + 1))[0][0].astype(mx.float32)
+    ref = np.array(x - mx.logsumexp(x, axis=-1, keepdims=True))
+    assert np.allclose([e.logprob for e in scored], [ref[i, t] for i, t in enumerate(prompt[1:])], atol=1e-4)
+    assert all(len(e.top) == 2 and e.top[0][1] >= e.logprob for e in scored)

@@ -128,7 +128,8 @@ def test_log_probabilities_are_the_librarys_streamed_or_not(client, lm):
         assert [t.token for t in got.top_logprobs] == [lm.tokenizer.token_text(i) for i, _ in want.top]
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))  # a cached prefix rounds apart
     plain = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=24)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == res.choices[0].message.content
 
@@ -146,6 +147,26 @@ def test_completions_log_probabilities_list_the_chosen_and_the_likeliest_tokens(
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "logprobs": True}, timeout=60,
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(client, lm):
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    res = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1, logprobs=1, echo=True)
+    choice, lp = res.choices[0], res.choices[0].logprobs
+    ids = lm.tokenizer.encode(prompt)
+    assert choice.text.startswith(prompt) and "".join(lp.tokens) == choice.text and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing comes before the first token
+    ref = api.generate_batch(lm, [ids], max_tokens=1, logprobs=1)[0].logprobs[0]
+    assert abs(lp.token_logprobs[-1] - ref.logprob) < 1e-4  # the answer's token as without echo
+    assert all(v < 0 for v in lp.token_logprobs[1:])
+    streamed = list(client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1, logprobs=1,
+                                              echo=True, stream=True))
+    assert streamed[0].choices[0].text == prompt
+    again = [v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert again[0] is None and len(again) == len(lp.token_logprobs)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(again[1:], lp.token_logprobs[1:]))
+    plain = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
 
 
 def test_a_follow_up_reuses_the_conversation_cache(client):
@@ -229,6 +250,7 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'", "stop"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "not supported", "tools"),
     ({"messages": HI, "logprobs": 3}, 400, "'logprobs' must be true or false", "logprobs"),
+    ({"messages": HI, "echo": True}, 400, "'echo' is a field of /v1/completions", "echo"),
     ({"messages": HI, "top_logprobs": 3}, 400, "needs 'logprobs': true", "top_logprobs"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "from 0 to 20", "top_logprobs"),
     ({"messages": []}, 400, "messages", "messages"),

@@ -30,8 +30,8 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import Allocator, DecodeState, drafting_kind, host_only, host_proposals
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Emitter, Record
-from mlx_redrafter.logprobs import Pending, pending
-from mlx_redrafter.model import Model
+from mlx_redrafter.logprobs import Pending, of_prompt, pending
+from mlx_redrafter.model import Model, forward_chunked
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling
 from mlx_redrafter.step import decide, prefill_logits
 
@@ -66,11 +66,13 @@ class Batch:
 
     def add(self, key: object, prompt: list[int], *, max_tokens: int, sampling: Sampling = GREEDY,
             allocator: Allocator | None = None, cache: KVCache | None = None, history: list[int] = (),
-            rng: Rng | None = None, length: int | None = None, logprobs: int | None = None) -> Record:
+            rng: Rng | None = None, length: int | None = None, logprobs: int | None = None,
+            score_prompt: bool = False) -> Record:
         """Prefill `prompt` (after the `history` a passed one-row `cache` holds) and join the batch; returns the
         prefill's record (its one token). `length` caps this row's candidates (default: the batch's); with
-        `logprobs` = k, every record of this row carries its tokens' log-probabilities and k alternatives each. A
-        row that is done at once (eos first, max_tokens 1) joins too: remove it like any finished row."""
+        `logprobs` = k, every record of this row carries its tokens' log-probabilities and k alternatives each, and
+        with `score_prompt` too the prefill's record carries the prompt's (`Record.prompt_logprobs`). A row that
+        is done at once (eos first, max_tokens 1) joins too: remove it like any finished row."""
         if not prompt:
             raise UserError("the prompt is empty: give at least one token")
         t = time.perf_counter()
@@ -79,9 +81,15 @@ class Batch:
         if one.offset != len(history):
             raise ValueError(f"the cache holds {one.offset} tokens but the history has {len(history)}")
         rng = rng if rng is not None or sampling.greedy else Rng(sampling.seed)
-        logits, h = prefill_logits(self.model, one, prompt)
+        scored = score_prompt and logprobs is not None
+        if scored:
+            logits, hidden = forward_chunked(self.model, one, mx.array([prompt]), all_hidden=True)
+            logits, h = logits[:, -1], hidden[:, -1]
+        else:
+            logits, h = prefill_logits(self.model, one, prompt)
         g0, lp = decide(logits, sampling, rng, logprobs)
         mx.eval(g0, h, *one.state(), *(lp.arrays() if lp else ()))
+        prompt_lps = of_prompt(self.model, hidden, prompt, logprobs) if scored else None
         first = g0.item()
         seq = _Seq(key, Emitter(max_tokens, self.eos), sampling, rng,
                    DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h), allocator,
@@ -95,7 +103,8 @@ class Batch:
                 src.start(seq.state.tokens)
         self.seqs.append(seq)
         return Record(tokens=tokens, decided=1, seconds=time.perf_counter() - t, prefill=len(prompt),
-                      stop=seq.emit.stop, logprobs=None if lp is None else lp.host(len(tokens)))
+                      stop=seq.emit.stop, logprobs=None if lp is None else lp.host(len(tokens)),
+                      prompt_logprobs=prompt_lps)
 
     def done(self) -> list[object]:
         """The rows whose generation ended (remove them before the next step)."""

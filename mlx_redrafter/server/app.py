@@ -87,14 +87,14 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
             raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
         req = protocol.parse(_json(raw), kind, served, base)
         ids = _encode(lm, req)
-        job = Job(ids, _fit(lm, req, len(ids)), req.stop, asyncio.get_running_loop())
+        job = Job(ids, _fit(lm, req, len(ids)), req.stop, asyncio.get_running_loop(), score_prompt=req.echo)
         scheduler.submit(job)
         wire = protocol.Logprobs(req, lm.tokenizer) if req.options.logprobs is not None else None
         if req.stream:
-            return StreamingResponse(_stream(req, job, wire), media_type="text/event-stream",
+            return StreamingResponse(_stream(req, job, wire, ids[0]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return await _answer(request, req, job, wire)
+            return await _answer(request, req, job, wire, ids[0])
         finally:
             job.cancel()  # a client that went away while waiting stops its request
 
@@ -185,10 +185,12 @@ def _fit(lm: api.LoadedModel, req: protocol.Request, prompt_tokens: int) -> Deco
     return req.options.updated(max_tokens=min(asked, room))
 
 
-async def _answer(request: Request, req: protocol.Request, job: Job, wire: protocol.Logprobs | None) -> Response:
-    """The whole answer once the job is done (with its tokens' log-probabilities through `wire`); an empty
-    response if the client went away first (the caller cancels the job)."""
-    text, finish, use, logprobs = [], "stop", {}, []
+async def _answer(request: Request, req: protocol.Request, job: Job, wire: protocol.Logprobs | None,
+                  first: int) -> Response:
+    """The whole answer once the job is done (with its tokens' log-probabilities through `wire`; with `echo`, the
+    prompt's first, whose id is `first`, and the rest); an empty response if the client went away first (the
+    caller cancels the job)."""
+    text, finish, use, logprobs, scored = [req.prompt] if req.echo else [], "stop", {}, [], None
     last_check = [time.monotonic()]
     while True:
         ev = await _next_event(request, job, last_check)
@@ -197,13 +199,17 @@ async def _answer(request: Request, req: protocol.Request, job: Job, wire: proto
         if ev.kind == "text":
             text += [t for t, _ in ev.pieces]
             logprobs += ev.logprobs
+            scored = ev.prompt_logprobs if ev.prompt_logprobs is not None else scored
         elif ev.kind == "done":
             finish, use = ev.finish, ev.usage
             break
         else:
             raise ev.error
-    return JSONResponse(protocol.completion(req, "".join(text), finish, use,
-                                            None if wire is None else wire.wire(logprobs)))
+    answer = None
+    if wire is not None:
+        answer = wire.wire(logprobs) if scored is None else protocol.joined(wire.prompt(first, scored),
+                                                                          wire.wire(logprobs))
+    return JSONResponse(protocol.completion(req, "".join(text), finish, use, answer))
 
 
 async def _next_event(request: Request, job: Job, last_check: list[float]) -> Event | None:
@@ -225,14 +231,21 @@ async def _next_event(request: Request, job: Job, last_check: list[float]) -> Ev
         get.cancel()
 
 
-async def _stream(req: protocol.Request, job: Job, wire: protocol.Logprobs | None) -> AsyncIterator[str]:
+async def _stream(req: protocol.Request, job: Job, wire: protocol.Logprobs | None,
+                  first_id: int) -> AsyncIterator[str]:
     """Server-sent events: chunks as the scheduler decides tokens, then [DONE]; the job stops if the client goes.
     With `wire`, an event's first chunk carries the log-probabilities of the tokens it came from (a chunk with no
-    text where a stop string holds the text back)."""
+    text where a stop string holds the text back). With `echo`, the first chunk is the prompt (its first token's
+    id is `first_id`)."""
     first = True
     try:
         while True:
             ev: Event = await job.queue.get()
+            if ev.kind == "text" and req.echo and first:
+                scored = None if wire is None or ev.prompt_logprobs is None else wire.prompt(first_id,
+                                                                                             ev.prompt_logprobs)
+                yield _sse(protocol.chunk(req, req.prompt, origin={"origin": "prompt"}, logprobs=scored))
+                first = False
             if ev.kind == "text":
                 logprobs = None if wire is None or not ev.logprobs else wire.wire(ev.logprobs)
                 for text, origin in ev.pieces or [("", "target")]:

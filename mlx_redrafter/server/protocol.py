@@ -26,7 +26,7 @@ TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields th
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 # Fields this server does not serve -> the value that means "not used".
 UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
-               "response_format": None, "suffix": None, "echo": False, "best_of": 1}
+               "response_format": None, "suffix": None, "best_of": 1}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 MAX_STOPS = 4
 
@@ -55,6 +55,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # completions: the answer's text (and log-probabilities) start with the prompt's
     max_tokens_field: str | None = None  # the request field that set options.max_tokens (None: the default)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
@@ -97,6 +98,9 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
         req.prompt = _prompt(body.get("prompt"))
     req.stop = _stop(body.get("stop"))
     req.stream = _bool(body, "stream", False)
+    req.echo = _bool(body, "echo", False)
+    if req.echo and kind == "chat":
+        raise _bad("'echo' is a field of /v1/completions, not of chat completions", "echo")
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
@@ -263,6 +267,14 @@ def completion(req: Request, text: str, finish: str, use: dict[str, Any],
             "usage": use}
 
 
+COMPLETION_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive completions' log-probability objects as one."""
+    return {k: a[k] + b[k] for k in COMPLETION_LOGPROBS}
+
+
 class Logprobs:
     """Tokens' log-probabilities in OpenAI's wire format: chat's `{"content": [{token, logprob, bytes,
     top_logprobs}]}`, or the completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (each token's
@@ -271,6 +283,16 @@ class Logprobs:
 
     def __init__(self, req: Request, tokenizer: TextTokenizer):
         self.kind, self.tokenizer, self.offset = req.kind, tokenizer, 0
+
+    def prompt(self, first: int, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """The completions' wire object of an echoed prompt: its `first` token (no log-probability: nothing comes
+        before it) and the `entries` of the tokens after it."""
+        head = self.tokenizer.token_text(first)
+        rest = self.wire(entries) if entries else {k: [] for k in COMPLETION_LOGPROBS}
+        self.offset += len(head)
+        return {"tokens": [head, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]],
+                "text_offset": [0, *(o + len(head) for o in rest["text_offset"])]}
 
     def wire(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         """The wire object of the next `entries` of the answer."""

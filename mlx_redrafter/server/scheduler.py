@@ -40,6 +40,7 @@ class Event:
     kind: str  # text | done | error
     pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, origin: target | draft:<source>)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this event's text came from
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after its first (`Job.score_prompt`)
     finish: str = ""  # stop | length (done)
     usage: dict[str, Any] = field(default_factory=dict)
     error: ApiError | None = None
@@ -48,8 +49,11 @@ class Event:
 class Job:
     """One request on its way through the scheduler; its events arrive on the asyncio loop that made it."""
 
-    def __init__(self, ids: list[int], options: DecodeOptions, stop: list[str], loop: asyncio.AbstractEventLoop):
-        self.ids, self.options, self.stop = ids, options, stop
+    def __init__(self, ids: list[int], options: DecodeOptions, stop: list[str], loop: asyncio.AbstractEventLoop,
+                 score_prompt: bool = False):
+        """`score_prompt`: the first event carries the log-probabilities of the prompt's own tokens (with
+        `options.logprobs`; the whole prompt is then prefilled, never continued from a cached conversation)."""
+        self.ids, self.options, self.stop, self.score_prompt = ids, options, stop, score_prompt
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -180,14 +184,16 @@ class Scheduler:
 
     def _start(self, job: Job) -> _Running:
         """The job joined to the batch, continuing a finished request's cache where it shares the prefix."""
-        cache, keep = self.prompts.take(job.ids)
-        run = _Running(job, self.lm, keep)
         o = job.options
+        scored = job.score_prompt and o.logprobs is not None  # a cached prefix has no logits to score it with
+        cache, keep = (None, 0) if scored else self.prompts.take(job.ids)
+        run = _Running(job, self.lm, keep)
         room = self.lm.target.model.args.max_position_embeddings - len(job.ids)
         allocator = api.make_allocator(self.lm, o)
         run.first = self.batch.add(run, job.ids[keep:], max_tokens=min(o.max_tokens, room), sampling=o.sampling,
                                    allocator=allocator, cache=cache, history=job.ids[:keep],
-                                   length=o.shape.length if allocator is not None else 1, logprobs=o.logprobs)
+                                   length=o.shape.length if allocator is not None else 1, logprobs=o.logprobs,
+                                   score_prompt=scored)
         return run
 
     def _step(self) -> None:
@@ -208,8 +214,9 @@ class Scheduler:
         run.stats.add(record)
         run.tokens.extend(record.tokens)
         pieces, hit = run.stops.add(_pieces(run.detok, record))
-        if pieces or record.logprobs:  # a stop string's tokens too: the text holds them back, or cuts them
-            job.put(Event("text", pieces=pieces, logprobs=record.logprobs or []))
+        if pieces or record.logprobs or record.prompt_logprobs is not None:  # a stop string's tokens too
+            job.put(Event("text", pieces=pieces, logprobs=record.logprobs or [],
+                          prompt_logprobs=record.prompt_logprobs))
         if hit:
             self._finish(run, "stop")
         elif record.stop:
