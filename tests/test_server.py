@@ -167,6 +167,13 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(client, lm):
     assert all(abs(a - b) < 1e-4 for a, b in zip(again[1:], lp.token_logprobs[1:]))
     plain = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1, echo=True)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    as_ids = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=1, logprobs=1, echo=True)
+    assert as_ids.choices[0].text == choice.text  # a prompt of token ids, as lm-evaluation-harness sends one
+    assert all(abs(a - b) < 1e-4 for a, b in zip(as_ids.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:]))
+    for bad in ([[1, 2], [3]], [1, 2.5], [49152], [-1], []):
+        r = httpx.post(f"{client.base_url}completions", json={"prompt": bad}, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
 
 
 def test_a_follow_up_reuses_the_conversation_cache(client):

@@ -158,9 +158,16 @@ def _json(raw: bytes) -> Any:
 
 def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[int]:
     """Prompt ids (chat template or raw text), checked against the context and the draft mode's needs."""
+    tok = lm.tokenizer
+    if req.prompt_ids is not None:
+        try:
+            ids = tok.check_ids(req.prompt_ids, "the prompt's token ids")
+        except UserError as e:
+            raise ApiError(400, str(e), "prompt") from None
+        req.prompt = tok.decode(ids)  # what `echo` sends back
     try:
-        tok = lm.tokenizer
-        ids = tok.encode_chat(req.messages) if req.kind == "chat" else tok.encode(req.prompt)
+        if req.prompt_ids is None:
+            ids = tok.encode_chat(req.messages) if req.kind == "chat" else tok.encode(req.prompt)
         api.draft_mode(lm, req.options)  # a mode this server's drafter cannot serve: 400 now
     except UserError as e:
         raise ApiError(400, str(e)) from None

@@ -51,6 +51,7 @@ class Request:
     model: str
     messages: list[dict[str, str]] = field(default_factory=list)
     prompt: str = ""
+    prompt_ids: list[int] | None = None  # a completions prompt given as token ids (`prompt` is then their text)
     options: DecodeOptions = field(default_factory=DecodeOptions)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -95,7 +96,7 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
     else:
-        req.prompt = _prompt(body.get("prompt"))
+        req.prompt, req.prompt_ids = _prompt(body.get("prompt"))
     req.stop = _stop(body.get("stop"))
     req.stream = _bool(body, "stream", False)
     req.echo = _bool(body, "echo", False)
@@ -160,14 +161,18 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def _prompt(prompt: Any) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+def _prompt(prompt: Any) -> tuple[str, list[int] | None]:
+    """A completions prompt: one string, or one list of token ids (OpenAI's and vLLM's forms; a list holding one of
+    either is the same). Returns (text, None) or ("", ids); the ids are checked against the model by the caller."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return "", prompt
     if not isinstance(prompt, str):
-        raise _bad("'prompt' must be one string", "prompt")
+        raise _bad("'prompt' must be one string or one list of token ids", "prompt")
     if not prompt.strip():
         raise _bad("the prompt is empty", "prompt")
-    return _text(prompt, "'prompt'", "prompt")
+    return _text(prompt, "'prompt'", "prompt"), None
 
 
 def _stop(stop: Any) -> list[str]:
