@@ -248,7 +248,7 @@ async def _stream(req: protocol.Request, job: Job, wire: protocol.Logprobs | Non
     try:
         while True:
             ev: Event = await job.queue.get()
-            if ev.kind == "text" and req.echo and first:
+            if req.echo and first and ev.kind != "error":  # the prompt, even before an answer that is only eos
                 scored = None if wire is None or ev.prompt_logprobs is None else wire.prompt(first_id,
                                                                                              ev.prompt_logprobs)
                 yield _sse(protocol.chunk(req, req.prompt, origin={"origin": "prompt"}, logprobs=scored))
