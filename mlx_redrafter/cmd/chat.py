@@ -95,8 +95,7 @@ def _settings(session) -> str:
     from mlx_redrafter import api
 
     s, o = api.settings(session.lm, session.options), session.options
-    shape = "".join(f" {label}={s[key]}" for key, label in (("beam_width", "W"), ("beam_length", "L"),
-                                                           ("lookup_width", "lookup-W")) if s.get(key))
+    shape = c.shape_text(s)
     sampling = " ".join(f"{k}={v}" for k, v in o.sampling.as_dict().items())
     system = "the template's" if session.system is None else repr(session.system[:40])
     return f"draft={s['draft']}{shape} {sampling} max-tokens={o.max_tokens} system: {system}"

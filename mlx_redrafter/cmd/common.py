@@ -198,13 +198,18 @@ def decoding_notes(lm: Any, res: Any) -> list[str]:
     return notes
 
 
+def shape_text(s: dict) -> str:
+    """The draft shape of `api.settings` as ' W=.. L=.. lookup-W=..' (the parts that apply)."""
+    return "".join(f" {label}={s[key]}" for key, label in (("beam_width", "W"), ("beam_length", "L"),
+                                                           ("lookup_width", "lookup-W")) if s.get(key))
+
+
 def banner(lm: Any, res: Any) -> str:
     """One line: what decodes, with which settings and where each came from."""
     from mlx_redrafter import api
 
     s = api.settings(lm, res.options)
-    shape = "".join(f" {label}={s[key]}" for key, label in (("beam_width", "W"), ("beam_length", "L"),
-                                                           ("lookup_width", "lookup-W")) if s[key])
+    shape = shape_text(s)
     origin = ", ".join(f"{k}: {v}" for k, v in sorted(res.origin.items()) if k != "max_tokens") or "defaults"
     return (f"model={s['model']} dtype={s['dtype']} draft={s['draft']}{shape} drafter={s['drafter']} "
             f"blas={s['blas']} (settings: {origin})")
