@@ -21,7 +21,7 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.base import Allocator
 from mlx_redrafter.draft.half_weights import use_half_weights
-from mlx_redrafter.draft.kinds import AnyDrafter, draft_kind, load_any_drafter
+from mlx_redrafter.draft.kinds import AnyDrafter, check_drafter_files, draft_kind, load_any_drafter
 from mlx_redrafter.draft.modes import Mode
 from mlx_redrafter.draft.redrafter import (
     Drafter,
@@ -134,7 +134,11 @@ def _say_once(message: str) -> None:
 
 
 def load(model: str | None = None, drafter: str | None = "default", dtype: str = "auto") -> LoadedModel:
-    """Load a target model (default: the embedded SmolLM2-135M) and a drafter ('default', 'none', path, random:SEED)."""
+    """Load a target model (default: the embedded SmolLM2-135M) and a drafter ('default', 'none', path, random:SEED).
+    A drafter path whose own files are malformed fails before the target loads."""
+    spec = parse_drafter_spec(drafter)
+    if spec.kind == "path":
+        check_drafter_files(spec.path)
     target = load_target(model or DEFAULT_MODEL, dtype)
     d, name = resolve_drafter(drafter, target)
     return LoadedModel(target=target, drafter=d, drafter_name=name)

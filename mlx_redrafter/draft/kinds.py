@@ -19,6 +19,7 @@ from mlx_redrafter.draft.redrafter import Drafter, DrafterArgs, load_drafter, re
 from mlx_redrafter.draft.semi_ar import SemiARDrafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import read_json
+from mlx_redrafter.models import safetensors_header
 
 AnyDrafter = Union[Drafter, MedusaHeads, SemiARDrafter]
 LOADERS = {REDRAFTER_TYPE: load_drafter, medusa.MODEL_TYPE: medusa.load_medusa,
@@ -31,14 +32,18 @@ MODE_OF_TYPE = {REDRAFTER_TYPE: "rnn", medusa.MODEL_TYPE: "medusa", semi_ar.MODE
 def load_any_drafter(path: str | Path, dtype: mx.Dtype | None = mx.float32) -> AnyDrafter:
     """Load a drafter directory of any kind, dispatching on its config's model_type; one-line errors."""
     cfg, weights_file = read_checkpoint(path)
+    return LOADERS[model_type_of(cfg, weights_file.parent / "config.json")](path, dtype)
+
+
+def model_type_of(cfg: dict, cfg_file: Path) -> str:
+    """The known drafter kind a config names (none named: ReDrafter); one-line UserError otherwise."""
     model_type = cfg.get("model_type", REDRAFTER_TYPE)
     if "medusa_num_heads" in cfg and model_type != medusa.MODEL_TYPE:
-        raise UserError(f"{weights_file.parent} is a Medusa checkpoint in the FasterDecoding layout: convert it with "
-                        f"`python -m convert.from_torch {weights_file.parent}`")
+        raise UserError(f"{cfg_file.parent} is a Medusa checkpoint in the FasterDecoding layout: convert it with "
+                        f"`python -m convert.from_torch {cfg_file.parent}`")
     if model_type not in LOADERS:
-        raise UserError(f"{weights_file.parent / 'config.json'}: unknown drafter model_type {model_type!r} (known: "
-                        f"{', '.join(LOADERS)})")
-    return LOADERS[model_type](path, dtype)
+        raise UserError(f"{cfg_file}: unknown drafter model_type {model_type!r} (known: {', '.join(LOADERS)})")
+    return model_type
 
 
 def check_drafter_config(folder: Path) -> None:
@@ -47,10 +52,16 @@ def check_drafter_config(folder: Path) -> None:
     if not cfg_file.exists():
         raise UserError(f"{folder} has no config.json")
     cfg = read_json(cfg_file, "drafter config")
-    model_type = cfg.get("model_type", REDRAFTER_TYPE)
-    if model_type not in ARGS_OF_TYPE:
-        raise UserError(f"{cfg_file}: unknown drafter model_type {model_type!r}")
-    ARGS_OF_TYPE[model_type].from_dict(cfg, f"drafter config {cfg_file}")
+    ARGS_OF_TYPE[model_type_of(cfg, cfg_file)].from_dict(cfg, f"drafter config {cfg_file}")
+
+
+def check_drafter_files(path: str | Path) -> None:
+    """One-line UserError unless the drafter at `path` has a valid config of a known kind and a weights file whose
+    layout parses: what can be checked without a target, so a malformed drafter fails before the target loads."""
+    cfg, weights_file = read_checkpoint(path)
+    cfg_file = weights_file.parent / "config.json"
+    ARGS_OF_TYPE[model_type_of(cfg, cfg_file)].from_dict(cfg, f"drafter config {cfg_file}")
+    safetensors_header.read_header(weights_file, "drafter weights")
 
 
 def draft_kind(drafter: AnyDrafter | None) -> str | None:
