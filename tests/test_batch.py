@@ -7,7 +7,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 from exactness import ar_tokens, divergence
-from test_sampling import ALPHA, exact_distribution, goodness_of_fit
+from test_sampling import ALPHA, DRAWS, exact_distribution, goodness_of_fit
 
 from mlx_redrafter import api
 from mlx_redrafter.batch.budget import Budget, CostCurve
@@ -20,6 +20,7 @@ from mlx_redrafter.errors import UserError
 from mlx_redrafter.sampling import Rng, Sampling
 
 MAX_TOKENS = 24
+ROWS = 6  # rows of the seeded sampling test decoding at once
 TEXTS = [
     "Say hello.",
     "Copy this text exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps again.",
@@ -167,7 +168,7 @@ def test_rows_keep_their_own_context(target):
 def test_seeded_batched_sampling_matches_the_target_distribution(target, lm_for_sampling):
     """Each row samples from the target's own distribution (rows of one prompt, each with its own seed). The rows
     continue one prefilled cache of the prompt's history (as a server's cached conversation does), so the test
-    spends its time on the batched steps rather than on 240 prefills."""
+    spends its time on the batched steps rather than on a prefill per row."""
     model, prompt, alloc = lm_for_sampling
     s = Sampling(temperature=1.0, top_k=3, seed=1000)
     cache = model.make_cache(len(prompt) + 8)
@@ -176,9 +177,9 @@ def test_seeded_batched_sampling_matches_the_target_distribution(target, lm_for_
     mx.eval(cache.state())
     expected = exact_distribution(model, cache, prompt[-1], s, 3)
     rows: dict[int, list[int]] = {}
-    batch, waiting = Batch(model, target.tokenizer.eos_ids, 3), list(range(240))
+    batch, waiting = Batch(model, target.tokenizer.eos_ids, 3), list(range(DRAWS))
     while waiting or len(batch):
-        while waiting and len(batch) < 6:
+        while waiting and len(batch) < ROWS:
             i = waiting.pop(0)
             rows[i] = batch.add(i, prompt[-1:], max_tokens=3, sampling=s, allocator=alloc(), cache=cache.copy(),
                                 history=prompt[:-1], rng=Rng(1000 + i)).tokens

@@ -14,13 +14,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 
-@pytest.fixture(scope="module")
-def hf():
-    from bench.torch_ref.target import load_hf_target
-
-    return load_hf_target(None, device="cpu")
-
-
 def test_batched_engine_equals_the_runtimes_greedy(target, hf, chat_ids):
     from bench.torch_ref.cuda_job import greedy
     from mlx_redrafter.train.greedy import generate_greedy

@@ -40,7 +40,7 @@ RUNS = {
     "bfloat16": [("rnn", "shipped", 1, 1, 10), ("rnn", "random", 2, 1, 10), ("lookup", None, 1, 1, 10),
                  ("rnn+lookup", "shipped", 1, 1, 10), ("rnn+lookup", "random", 1, 1, 10)],
     "float16": [("rnn", "random", 2, 1, 8), ("lookup", None, 1, 1, 8), ("rnn+lookup", "shipped", 1, 1, 8)],
-    "quantized": [("rnn+lookup", "shipped", 1, 1, 5)],
+    "quantized": [("rnn+lookup", "shipped", 1, 1, 3)],
 }
 CASES = [(dt, *run) for dt, runs in RUNS.items() for run in runs]
 

@@ -47,7 +47,7 @@ def fused():
     return random_drafter(576, 49152, seed=3, exit_dim=128, draft_vocab_size=4096, feature_layers=LAYERS)
 
 
-def test_the_targets_features_are_the_last_state_then_each_tapped_layer_over_its_rms(target, chat_ids):
+def test_the_targets_features_are_the_last_state_then_each_tapped_layer_over_its_rms(target, chat_ids, request):
     tokens = mx.array([chat_ids[0][:40]])
     with reading_layers(target.model, ()):
         logits, plain = target.model(tokens, target.model.make_cache(64))
@@ -61,10 +61,10 @@ def test_the_targets_features_are_the_last_state_then_each_tapped_layer_over_its
     try:
         import torch
 
-        from bench.torch_ref.target import forward, load_hf_target
+        from bench.torch_ref.target import forward
     except ImportError:
         return
-    hf = load_hf_target(None, device="cpu")
+    hf = request.getfixturevalue("hf")
     with torch.no_grad():  # transformers' own hidden states, normalized here in float64
         states = hf.model(input_ids=torch.tensor(np.array(tokens)), output_hidden_states=True).hidden_states
     for j, layer in enumerate(LAYERS):

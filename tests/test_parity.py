@@ -22,13 +22,6 @@ LOGITS_TOL = 2e-4
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from bench.torch_ref.target import load_hf_target
-
-    return load_hf_target(None, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def drafters(target):
     from mlx_redrafter.api import shipped_drafter_path
 

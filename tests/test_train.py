@@ -1,6 +1,7 @@
 """The drafter data engine and training: corpus growth, resume, corrupt shards, features, a tiny real run."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -134,13 +135,13 @@ def test_turn2_passes_over_the_same_sequences_are_made_together(target, prompts_
 
 
 def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target, prompts_file, tmp_path):
-    root, messages = tmp_path / "c", []
-    first = build(target, prompts_file, root, SETTINGS, max_shards=2, progress=False, log=messages.append)
+    root, messages, settings = tmp_path / "c", [], replace(SETTINGS, max_new_tokens=8)  # short answers: resuming
+    first = build(target, prompts_file, root, settings, max_shards=2, progress=False, log=messages.append)
     assert sorted(first.entries) == ["shard-00000.npz", "shard-00001.npz"]
     stamp = (root / "shard-00000.npz").stat().st_mtime_ns
     (root / ".shard-00002.npz.tmp").write_bytes(b"an interrupted write")  # what a kill leaves behind at worst
     (root / "shard-00001.npz").write_bytes(b"junk")  # a corrupt shard
-    done = build(target, prompts_file, root, SETTINGS, progress=False, log=messages.append)
+    done = build(target, prompts_file, root, settings, progress=False, log=messages.append)
     assert (root / "shard-00000.npz").stat().st_mtime_ns == stamp  # kept, not regenerated
     assert any("shard-00001.npz is corrupt" in m and "regenerating" in m for m in messages)
     assert done.check("shard-00001.npz") is None

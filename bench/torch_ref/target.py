@@ -37,6 +37,26 @@ def load_hf_target(spec: str | None = None, device: str = "cpu", dtype: torch.dt
     return model.to(device).eval()
 
 
+def save_hf_target(model: Any, folder: Path) -> None:
+    """Save a model from `load_hf_target` as an unquantized transformers directory (config.json +
+    model.safetensors, tied weights once) that `load_hf_target(str(folder))` reads back with the same values in a
+    few seconds, without reading the GGUF again. Written beside `folder` and renamed into place."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    part = folder.with_name(folder.name + ".partial")
+    part.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the values are dequantized: the directory holds plain floats
+    config.save_pretrained(part)
+    tied = bool(config.tie_word_embeddings)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()
+               if not (tied and k == "lm_head.weight")}, str(part / "model.safetensors"))
+    part.rename(folder)
+
+
 def new_cache(model: Any) -> Any:
     """An empty transformers DynamicCache for this model."""
     from transformers import DynamicCache
