@@ -13,7 +13,7 @@ from mlx_redrafter.draft.base import Allocator, Slot
 from mlx_redrafter.draft.lookup import LookupSource, NgramIndex, SuffixIndex
 from mlx_redrafter.draft.redrafter import RnnSource, random_drafter
 
-N_PROMPTS, MAX_TOKENS = 3, 32
+N_PROMPTS, MAX_TOKENS = 3, 24
 SHORT_PROMPTS = [
     "What is the capital of France? Answer in one short sentence.",
     "What is 2 + 2? Reply with just the number.",
