@@ -37,6 +37,7 @@ from mlx_redrafter.logprobs import TokenLogprob
 from mlx_redrafter.models.loader import DEFAULT_MODEL, Target, load_target
 from mlx_redrafter.models.tokenizer import StreamingDetokenizer
 from mlx_redrafter.options import DecodeOptions, decode_options
+from mlx_redrafter.sampling import check_bias_ids
 from mlx_redrafter.shipped import answer_table, shipped_drafter_path, shipped_folder
 from mlx_redrafter.sources import make_allocator as allocator_of_mode
 from mlx_redrafter.sources import source_settings
@@ -166,6 +167,13 @@ def draft_mode(lm: LoadedModel, options: DecodeOptions) -> Mode:
     return modes.resolve(options.draft, lm.drafter_kind, lm.target.name, lm.drafter_name)
 
 
+def check_for_model(lm: LoadedModel, options: DecodeOptions) -> None:
+    """One-line UserError, before any output, for options this model cannot decode with: a draft mode its drafter
+    cannot serve, logit-bias ids outside its vocabulary."""
+    draft_mode(lm, options)
+    check_bias_ids(options.sampling, lm.target.model.args.vocab_size)
+
+
 def make_allocator(lm: LoadedModel, options: DecodeOptions) -> Allocator | None:
     """The draft sources for these options (None: plain autoregressive decoding)."""
     return allocator_of_mode(draft_mode(lm, options), lm.target, lm.drafter, options)
@@ -179,6 +187,7 @@ def decode(lm: LoadedModel, ids: list[int], options: DecodeOptions, *, cache: KV
     model, eos = lm.target.model, lm.tokenizer.eos_ids
     room = model.args.max_position_embeddings - len(history) - len(ids)
     max_tokens = min(options.max_tokens, room)
+    check_for_model(lm, options)
     alloc = make_allocator(lm, options)
     if alloc is None:
         return generate_ar(model, ids, max_tokens=max_tokens, eos_ids=eos, sampling=options.sampling, cache=cache,
@@ -257,7 +266,7 @@ def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: Decod
     ids = [encode_prompt(lm, p, chat) for p in prompts]
     model = lm.target.model
     room = model.args.max_position_embeddings - max(len(x) for x in ids)
-    draft_mode(lm, options)  # a mode the loaded drafter cannot serve fails here
+    check_for_model(lm, options)
     detoks = [StreamingDetokenizer(lm.tokenizer) for _ in ids]
     records = batch_loop(model, ids, batch_size=batch_size, max_tokens=min(options.max_tokens, room),
                          eos_ids=lm.tokenizer.eos_ids, sampling=options.sampling,

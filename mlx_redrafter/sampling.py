@@ -8,6 +8,7 @@ Temperature 0 means greedy (argmax).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -32,6 +33,8 @@ class Sampling:
     # fn(cands, tree, node_p, key) -> accept.Accepted (e.g. a deliberately biased rule to test the tests)
     typical_eps: float = 0.09  # Medusa's posterior_threshold
     typical_delta: float = 0.3  # Medusa's posterior_alpha
+    logit_bias: Any = ()  # added to the target's logits before any choice, greedy included: ((token id, bias), ...),
+    # or given as a {id: bias} mapping or "ID=BIAS,ID=BIAS" text (normalised to sorted pairs)
 
     def __post_init__(self) -> None:
         def number(value: Any, flag: str, ok: Callable[[float], bool], rule: str) -> None:
@@ -51,6 +54,7 @@ class Sampling:
             raise UserError(f"--seed must be an integer from 0 to 2**63 - 1 (got {self.seed!r})")
         if not callable(self.accept) and self.accept not in ("exact", "typical"):
             raise UserError(f"--accept must be 'exact' or 'typical' (got {self.accept!r})")
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -63,15 +67,90 @@ class Sampling:
                      accept=self.accept if isinstance(self.accept, str) else getattr(self.accept, "__name__", "custom"))
             if self.accept == "typical":
                 d.update(typical_eps=self.typical_eps, typical_delta=self.typical_delta)
+        if self.logit_bias:
+            d["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         return d
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+LOGIT_BIAS_HELP = 'token ids with a bias from -100 to 100 each: ID=BIAS,ID=BIAS (in a request, {"ID": BIAS})'
+
+
+def bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """A logit bias as sorted ((token id, bias), ...): from pairs, a {id: bias} mapping (ids may be strings of
+    digits, as in JSON) or "ID=BIAS,ID=BIAS" text. One-line UserError for anything else."""
+    def bad(why: str) -> UserError:
+        return UserError(f"--logit-bias: {why}: give {LOGIT_BIAS_HELP}")
+
+    if isinstance(value, str):
+        items = []
+        for part in (p.strip() for p in value.split(",")):
+            if part:
+                key, eq, bias = part.partition("=")
+                if not eq:
+                    raise bad(f"{part!r} is not ID=BIAS")
+                items.append((key.strip(), bias.strip()))
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)):
+        items = list(value)
+    else:
+        raise bad(f"got {type(value).__name__}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise bad(f"{item!r} is not an (id, bias) pair")
+        key, bias = item
+        try:
+            tid = key if isinstance(key, int) and not isinstance(key, bool) else int(str(key), 10)
+        except ValueError:
+            raise bad(f"token id {key!r} is not an integer") from None
+        if isinstance(bias, str):
+            try:
+                bias = float(bias)
+            except ValueError:
+                raise bad(f"bias {bias!r} of token {tid} is not a number") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or abs(bias) > MAX_LOGIT_BIAS:
+            raise bad(f"bias {bias!r} of token {tid} is not a number from -100 to 100")
+        if tid < 0:
+            raise bad(f"token id {tid} is negative")
+        if tid in out:
+            raise bad(f"token {tid} is given twice")
+        out[tid] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 GREEDY = Sampling()
 
 
+@functools.lru_cache(maxsize=8)
+def _bias_vector(pairs: tuple[tuple[int, float], ...], vocab: int) -> mx.array:
+    ids, values = zip(*pairs)
+    return mx.zeros((vocab,), mx.float32).at[mx.array(ids)].add(mx.array(values, mx.float32))
+
+
+def biased(logits: mx.array, s: Sampling) -> mx.array:
+    """(..., V) logits with the settings' logit bias added (as they are without one): what every choice reads,
+    so AR and speculative decoding choose from the same biased logits. One-line UserError for an id outside
+    the vocabulary."""
+    if not s.logit_bias:
+        return logits
+    check_bias_ids(s, logits.shape[-1])
+    return logits.astype(mx.float32) + _bias_vector(s.logit_bias, logits.shape[-1])
+
+
+def check_bias_ids(s: Sampling, vocab: int) -> None:
+    """One-line UserError unless every logit-bias token id is inside a vocabulary of `vocab` tokens."""
+    if s.logit_bias and s.logit_bias[-1][0] >= vocab:
+        raise UserError(f"--logit-bias: token id {s.logit_bias[-1][0]} is outside the model's vocabulary of {vocab} "
+                        f"tokens")
+
+
 def probs(logits: mx.array, s: Sampling) -> mx.array:
-    """(..., V) logits -> (..., V) float32 probabilities of the filtered, tempered target distribution."""
-    x = logits.astype(mx.float32) / s.temperature
+    """(..., V) logits -> (..., V) float32 probabilities of the filtered, tempered target distribution (logit bias
+    first)."""
+    x = biased(logits, s).astype(mx.float32) / s.temperature
     if s.top_k and s.top_k < x.shape[-1]:
         kth = mx.min(mx.topk(x, s.top_k, axis=-1), axis=-1, keepdims=True)
         x = mx.where(x < kth, -mx.inf, x)
@@ -108,5 +187,5 @@ def sample(p: mx.array, key: mx.array) -> mx.array:
 def next_token(logits: mx.array, s: Sampling, rng: Rng | None) -> mx.array:
     """The target's next token from logits (..., V): argmax when greedy, else a sample of `probs`."""
     if s.greedy:
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return mx.argmax(biased(logits, s), axis=-1).astype(mx.int32)
     return sample(probs(logits, s), rng.next())

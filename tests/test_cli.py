@@ -47,6 +47,9 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--drafter", "random:-3"], ["random:SEED"]),
         (["-p", "hi", "--logprobs", "2"], ["--logprobs needs --json"]),
         (["-p", "hi", "--json", "--logprobs", "21"], ["--logprobs", "from 0 to 20"]),
+        (["-p", "hi", "--logit-bias", "5"], ["--logit-bias", "'5' is not ID=BIAS"]),
+        (["-p", "hi", "--logit-bias", "5=-101"], ["--logit-bias", "from -100 to 100"]),
+        (["-p", "hi", "--logit-bias", "49152=1"], ["--logit-bias", "token id 49152", "vocabulary of 49152"]),
     ],
 )
 def test_bad_arguments(args, needles):

@@ -8,6 +8,7 @@ Acceptance must not matter for correctness, so random drafters are used; the shi
 import pytest
 from exactness import ar_tokens, divergence, speculative_tokens
 
+from mlx_redrafter import api
 from mlx_redrafter.defaults import DEFAULT_LOOKUP_MAX_LENGTH
 from mlx_redrafter.draft.base import Allocator, Slot
 from mlx_redrafter.draft.lookup import LookupSource, NgramIndex, SuffixIndex
@@ -144,8 +145,6 @@ def test_shipped_drafter_is_exact_and_stops_inside_accepted_runs(target, prompts
 
 def test_lookup_else_rnn_through_the_api(target, prompts, ar_outputs, shipped):
     """--draft lookup-else-rnn puts the drafter behind lookup; with --drafter-vocab it is exact and recorded."""
-    from mlx_redrafter import api
-
     lm = api.LoadedModel(target=target, drafter=shipped, drafter_name="shipped")
     opts = api.decode_options(draft="lookup-else-rnn", beam_length=4, drafter_vocab=4096, max_tokens=MAX_TOKENS)
     slots = api.make_allocator(lm, opts).slots
@@ -154,6 +153,20 @@ def test_lookup_else_rnn_through_the_api(target, prompts, ar_outputs, shipped):
     assert res.tokens == ar_outputs[0]
     assert res.settings["draft"] == "lookup-else-rnn" and res.settings["drafter_vocab"] == 4096
     assert slots[0].source.max_length == res.settings["lookup_max_length"] == DEFAULT_LOOKUP_MAX_LENGTH
+
+
+def test_a_logit_bias_is_exact_in_every_draft_mode_alone_and_batched(target, prompts, shipped):
+    """A bias changes what every choice reads, greedy included: each draft mode decodes what AR decodes with the
+    same bias, alone and batched, and a banned token never appears."""
+    lm = api.LoadedModel(target, shipped, "shipped")
+    plain = api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft="none").tokens
+    bias = {plain[1]: -100.0, plain[5]: 4.0}
+    ar = api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft="none", logit_bias=bias).tokens
+    assert ar != plain and plain[1] not in ar
+    for draft in ("rnn", "lookup", "rnn+lookup", "lookup-else-rnn"):
+        assert api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft=draft, logit_bias=bias).tokens == ar, draft
+    batch = api.generate_batch(lm, [prompts[0], prompts[1]], batch_size=2, max_tokens=MAX_TOKENS, logit_bias=bias)
+    assert batch[0].tokens == ar
 
 
 def test_continuing_a_conversation_reuses_the_cache(target, chat_ids, drafter):

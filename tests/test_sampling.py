@@ -15,8 +15,9 @@ from mlx_redrafter.accept import Accepted, _child_probs, _walk
 from mlx_redrafter.draft.base import Allocator, Slot
 from mlx_redrafter.draft.lookup import LookupSource, NgramIndex
 from mlx_redrafter.draft.redrafter import RnnSource
+from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import collect, generate_speculative
-from mlx_redrafter.sampling import Sampling, probs, sample
+from mlx_redrafter.sampling import Sampling, bias_pairs, probs, sample
 
 ALPHA = 1e-3  # significance of the goodness-of-fit test (seeds are fixed: the outcome is deterministic)
 # Draws per test: enough to reject the classic biased rule (`biased_rule`) far below ALPHA (measured on these seeds:
@@ -37,8 +38,6 @@ def test_filters_keep_the_right_tokens():
 
 
 def test_bad_settings_are_one_line_errors():
-    from mlx_redrafter.errors import UserError
-
     for kw in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 1.0}, {"accept": "fast"}):
         with pytest.raises(UserError):
             Sampling(**kw)
@@ -50,6 +49,24 @@ def lm(target):
 
     d, name = resolve_drafter("default", target)
     return LoadedModel(target, d, name)
+
+
+def test_logit_bias_forms_and_one_line_errors():
+    assert bias_pairs("5=-100, 2=1.5") == bias_pairs({"2": 1.5, 5: -100}) == ((2, 1.5), (5, -100.0))
+    assert Sampling(logit_bias="3=1").logit_bias == ((3, 1.0),) and Sampling().logit_bias == ()
+    for bad, needle in (("5", "not ID=BIAS"), ("x=1", "not an integer"), ("5=x", "not a number"),
+                        ("5=101", "from -100 to 100"), ("-1=1", "negative"), ("5=1,5=2", "twice"),
+                        ({"5": float("nan")}, "from -100 to 100"), ([1, 2], "pair"), (5, "got int")):
+        with pytest.raises(UserError, match=needle):
+            Sampling(logit_bias=bad)
+
+
+def test_a_banned_token_is_never_sampled(lm):
+    ban = api.generate(lm, "Tell me a story.", max_tokens=1, draft="none").tokens[0]
+    for draft in ("none", "rnn+lookup"):
+        opts = api.decode_options(draft=draft, max_tokens=16,
+                                  sampling=Sampling(temperature=1.5, seed=1, logit_bias={ban: -100}))
+        assert ban not in api.generate(lm, "Tell me a story.", opts).tokens
 
 
 def test_seeded_runs_are_reproducible(lm):

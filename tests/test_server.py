@@ -91,6 +91,14 @@ def test_greedy_chat_equals_the_library_and_reports_speculation(client, lm):
     assert res.usage.completion_tokens > 0 and res.usage.prompt_tokens > 0
 
 
+def test_a_logit_bias_answers_what_the_library_answers_with_it(client, lm):
+    first = api.generate(lm, QUESTION, max_tokens=12).tokens[0]
+    want = api.generate(lm, QUESTION, max_tokens=12, logit_bias={first: -100})
+    res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=12,
+                                         logit_bias={str(first): -100})
+    assert res.choices[0].message.content == want.text and first not in want.tokens
+
+
 def test_streaming_sends_the_same_text_with_origins_and_usage(server, client):
     kwargs = {"model": "smollm2-135m", "messages": _chat(), "max_tokens": 40}
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -256,6 +264,10 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "seed": -5}, 400, "seed", "seed"),
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'", "stop"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "not supported", "tools"),
+    ({"messages": HI, "logit_bias": {"five": 1}}, 400, "token id 'five' is not an integer", "logit_bias"),
+    ({"messages": HI, "logit_bias": {"5": 500}}, 400, "from -100 to 100", "logit_bias"),
+    ({"messages": HI, "logit_bias": [5, -100]}, 400, "not an (id, bias) pair", "logit_bias"),
+    ({"messages": HI, "logit_bias": {"49152": 1}}, 400, "outside the model's vocabulary", None),
     ({"messages": HI, "logprobs": 3}, 400, "'logprobs' must be true or false", "logprobs"),
     ({"messages": HI, "echo": True}, 400, "'echo' is a field of /v1/completions", "echo"),
     ({"messages": HI, "top_logprobs": 3}, 400, "needs 'logprobs': true", "top_logprobs"),

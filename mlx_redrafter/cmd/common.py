@@ -134,6 +134,9 @@ DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
     "min_p": (float | None, typer.Option(None, "--min-p", help=(
         "Drop tokens below min_p x the top token's probability \\[0]."))),
     "seed": (int | None, typer.Option(None, "--seed", help="Random seed (same seed, same text).")),
+    "logit_bias": (str | None, typer.Option(None, "--logit-bias", help=(
+        "Add a bias to tokens' logits before every choice, greedy included, as ID=BIAS,ID=BIAS (-100 bans a "
+        "token, +100 all but forces it; exact under speculation) \\[none]."))),
     "accept": (str | None, typer.Option(None, "--accept", help=(
         "Speculative acceptance at T > 0: exact (the target's distribution) or typical (Medusa's, faster, not "
         "exact) \\[exact]."))),

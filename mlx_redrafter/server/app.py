@@ -168,9 +168,9 @@ def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[int]:
     try:
         if req.prompt_ids is None:
             ids = tok.encode_chat(req.messages) if req.kind == "chat" else tok.encode(req.prompt)
-        api.draft_mode(lm, req.options)  # a mode this server's drafter cannot serve: 400 now
+        api.check_for_model(lm, req.options)  # e.g. a mode this server's drafter cannot serve: 400 now
     except UserError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, protocol.field_names(str(e))) from None
     ctx = lm.target.model.args.max_position_embeddings
     if not ids:
         raise ApiError(400, "the prompt is empty")

@@ -21,11 +21,11 @@ from mlx_redrafter.schema import shown
 # Request fields that select how to decode, by their flat option names (draft modes, shapes, sampling).
 DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup", "lookup_max_length",
                  "answers_width", "drafter_vocab", "draft_confidence", "medusa_tree", "temperature", "top_p",
-                 "top_k", "min_p", "seed", "accept", "typical_eps", "typical_delta")
+                 "top_k", "min_p", "seed", "accept", "typical_eps", "typical_delta", "logit_bias")
 TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields that take a string
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 # Fields this server does not serve -> the value that means "not used".
-UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+UNSUPPORTED = {"tools": None, "functions": None, "presence_penalty": 0, "frequency_penalty": 0,
                "response_format": None, "suffix": None, "best_of": 1}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 MAX_STOPS = 4
@@ -211,7 +211,7 @@ def _checked(base: DecodeOptions, flat: dict[str, Any], field: str | None, alias
         options = base.updated(**flat)
         options.check()
     except UserError as e:
-        message = _field_names(str(e), aliases)
+        message = field_names(str(e), aliases)
         if field is not None and field not in message:
             message = f"{field}: {message}"
         raise _bad(message, field) from None
@@ -222,12 +222,12 @@ _FLAG = re.compile(r"--([a-z][a-z-]*)")
 _FLAG_FIELDS = {"temp": "temperature"}  # CLI flags whose request field is not the flag's own name
 
 
-def _field_names(message: str, aliases: dict[str, str]) -> str:
+def field_names(message: str, aliases: dict[str, str] | None = None) -> str:
     """An option group's message with its CLI flags (--temp, --drafter-vocab) as request fields; `aliases` renames
     a field (max_tokens given as max_completion_tokens)."""
     def field(m: re.Match) -> str:
         name = _FLAG_FIELDS.get(m.group(1), m.group(1).replace("-", "_"))
-        return aliases.get(name, name)
+        return (aliases or {}).get(name, name)
     return _FLAG.sub(field, message)
 
 
