@@ -94,9 +94,10 @@ def test_greedy_chat_equals_the_library_and_reports_speculation(client, lm):
 def test_a_logit_bias_answers_what_the_library_answers_with_it(client, lm):
     first = api.generate(lm, QUESTION, max_tokens=12).tokens[0]
     want = api.generate(lm, QUESTION, max_tokens=12, logit_bias={first: -100})
-    res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=12,
-                                         logit_bias={str(first): -100})
-    assert res.choices[0].message.content == want.text and first not in want.tokens
+    for draft in ("none", "lookup-else-rnn"):
+        res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=12,
+                                             logit_bias={str(first): -100}, extra_body={"draft": draft})
+        assert res.choices[0].message.content == want.text and first not in want.tokens
 
 
 def test_streaming_sends_the_same_text_with_origins_and_usage(server, client):

@@ -50,7 +50,7 @@ def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sa
     mask = mx.concatenate([cache.context_mask(), mx.ones((B, 1), dtype=mx.bool_)], axis=1)[:, None, None]
     logits, hidden = model(tokens[:, None], cache, positions, mask)
     cache.commit_rows(None, [1] * B)
-    if all(s.greedy for s in samplings):
+    if all(s.greedy and not s.logit_bias for s in samplings):  # one argmax for every row
         return next_token(logits[:, -1], GREEDY, None), hidden[:, -1], logits[:, -1]
     return mx.concatenate([next_token(logits[r : r + 1, -1], s, rng)
                            for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1], logits[:, -1]
