@@ -103,11 +103,12 @@ def accept_typical(cands: mx.array, tree: PackedTree, node_p: mx.array, s: Sampl
 
 
 def accept(cands: mx.array, tree: PackedTree, logits: mx.array, s: Sampling, key: mx.array | None) -> Accepted:
-    """Dispatch on the sampling settings (greedy / exact / typical)."""
-    from mlx_redrafter.sampling import biased, probs
+    """Dispatch on the sampling settings (greedy / exact / typical); `logits` (P, V) as `sampling.adjust` gives them
+    for the tree's nodes."""
+    from mlx_redrafter.sampling import probs
 
     if s.greedy:
-        return accept_greedy(cands, tree, biased(logits, s))
+        return accept_greedy(cands, tree, logits)
     node_p = probs(logits, s)
     if callable(s.accept):
         return s.accept(cands, tree, node_p, key)

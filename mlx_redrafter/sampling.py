@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.penalties import counts
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,15 @@ class Sampling:
     typical_delta: float = 0.3  # Medusa's posterior_alpha
     logit_bias: Any = ()  # added to the target's logits before any choice, greedy included: ((token id, bias), ...),
     # or given as a {id: bias} mapping or "ID=BIAS,ID=BIAS" text (normalised to sorted pairs)
+    # Penalties on the tokens of the last *_context_size tokens (prompt included), mlx-lm's: repetition divides a
+    # positive logit by the penalty and multiplies a negative one (0 or 1 = off); presence subtracts the penalty
+    # once, frequency once per occurrence (0 = off). Greedy included (penalties.py).
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
 
     def __post_init__(self) -> None:
         def number(value: Any, flag: str, ok: Callable[[float], bool], rule: str) -> None:
@@ -55,10 +65,31 @@ class Sampling:
         if not callable(self.accept) and self.accept not in ("exact", "typical"):
             raise UserError(f"--accept must be 'exact' or 'typical' (got {self.accept!r})")
         object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
+        number(self.repetition_penalty, "--repetition-penalty", lambda v: 0 <= v <= MAX_REPETITION_PENALTY,
+               f"from 0 to {MAX_REPETITION_PENALTY:g} (0 or 1 = off)")
+        for kind in ("presence", "frequency"):
+            number(getattr(self, f"{kind}_penalty"), f"--{kind}-penalty", lambda v: abs(v) <= 2, "from -2 to 2")
+        for kind in PENALTIES:
+            size = getattr(self, f"{kind}_context_size")
+            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_PENALTY_CONTEXT:
+                raise UserError(f"--{kind}-context-size must be an integer from 1 to {MAX_PENALTY_CONTEXT} "
+                                f"(got {size!r})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalties(self) -> tuple[tuple[str, float, int], ...]:
+        """The penalties in use, in the order they apply: (kind, penalty, context size)."""
+        off = {"repetition": (0.0, 1.0), "presence": (0.0,), "frequency": (0.0,)}
+        return tuple((k, float(getattr(self, f"{k}_penalty")), getattr(self, f"{k}_context_size"))
+                     for k in PENALTIES if getattr(self, f"{k}_penalty") not in off[k])
+
+    @property
+    def recent_size(self) -> int:
+        """How many of the latest tokens the penalties read (0: none in use)."""
+        return max((size for _, _, size in self.penalties), default=0)
 
     def as_dict(self) -> dict:
         d = {"temperature": self.temperature}
@@ -69,7 +100,14 @@ class Sampling:
                 d.update(typical_eps=self.typical_eps, typical_delta=self.typical_delta)
         if self.logit_bias:
             d["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        for kind, penalty, size in self.penalties:
+            d.update({f"{kind}_penalty": penalty, f"{kind}_context_size": size})
         return d
+
+
+PENALTIES = ("repetition", "presence", "frequency")  # in the order they apply (mlx-lm's), after the logit bias
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY_CONTEXT = 4096  # tokens a penalty may look back
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
@@ -147,10 +185,31 @@ def check_bias_ids(s: Sampling, vocab: int) -> None:
                         f"tokens")
 
 
+def adjust(logits: mx.array, s: Sampling, recent: mx.array | None = None, tree: Any = None) -> mx.array:
+    """(rows, V) logits as every choice reads them (`next_token`, `accept`): the logit bias added, then the penalties
+    on recent tokens (mlx-lm's order); as they are when neither is set. `recent` (the latest `s.recent_size`
+    tokens or more) and `tree` (one row per node) as in `penalties.counts`; needed only with a penalty (lazy)."""
+    x = biased(logits, s)
+    if not s.penalties:
+        return x
+    x, seen = x.astype(mx.float32), {}
+    for kind, penalty, size in s.penalties:
+        if size not in seen:
+            seen[size] = counts(recent, size, x.shape[-1], tree)
+        c = seen[size]
+        if kind == "repetition":
+            x = mx.where(c > 0, mx.where(x < 0, x * penalty, x / penalty), x)
+        elif kind == "presence":
+            x = x - penalty * (c > 0)
+        else:
+            x = x - penalty * c
+    return x
+
+
 def probs(logits: mx.array, s: Sampling) -> mx.array:
-    """(..., V) logits -> (..., V) float32 probabilities of the filtered, tempered target distribution (logit bias
-    first)."""
-    x = biased(logits, s).astype(mx.float32) / s.temperature
+    """(..., V) logits (as `adjust` gives them) -> (..., V) float32 probabilities of the filtered, tempered target
+    distribution."""
+    x = logits.astype(mx.float32) / s.temperature
     if s.top_k and s.top_k < x.shape[-1]:
         kth = mx.min(mx.topk(x, s.top_k, axis=-1), axis=-1, keepdims=True)
         x = mx.where(x < kth, -mx.inf, x)
@@ -185,7 +244,8 @@ def sample(p: mx.array, key: mx.array) -> mx.array:
 
 
 def next_token(logits: mx.array, s: Sampling, rng: Rng | None) -> mx.array:
-    """The target's next token from logits (..., V): argmax when greedy, else a sample of `probs`."""
+    """The target's next token from logits (..., V) as `adjust` gives them: argmax when greedy, else a sample of
+    `probs`."""
     if s.greedy:
-        return mx.argmax(biased(logits, s), axis=-1).astype(mx.int32)
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
     return sample(probs(logits, s), rng.next())

@@ -19,17 +19,19 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import DecodeState, Slot, propose
 from mlx_redrafter.logprobs import Pending, along_path, pending
 from mlx_redrafter.model import Model, forward_chunked
-from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
+from mlx_redrafter.penalties import window
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token
 from mlx_redrafter.tree import verify_mask
 
 PHASES = ("draft", "pack", "verify", "accept", "commit")
 
 
 def decide(logits: mx.array, sampling: Sampling = GREEDY, rng: Rng | None = None,
-           logprobs: int | None = None) -> tuple[mx.array, Pending | None]:
-    """The target's next token from its logits (1, V), and with `logprobs` = k that token's log-probability and k
-    alternatives (logprobs.py) (lazy)."""
-    token = next_token(logits, sampling, rng)
+           logprobs: int | None = None, recent: mx.array | None = None) -> tuple[mx.array, Pending | None]:
+    """The target's next token from its logits (1, V) (`sampling.adjust`ed; `recent`: the latest tokens of the
+    sequence, for penalties), and with `logprobs` = k that token's log-probability and k alternatives, the
+    target's own (logprobs.py) (lazy)."""
+    token = next_token(adjust(logits, sampling, recent), sampling, rng)
     return token, None if logprobs is None else pending(logits, token, logprobs)
 
 
@@ -41,11 +43,11 @@ def prefill_logits(model: Model, cache: KVCache, prompt: list[int]) -> tuple[mx.
 
 
 def prefill(model: Model, cache: KVCache, prompt: list[int], sampling: Sampling = GREEDY,
-            rng: Rng | None = None) -> tuple[mx.array, mx.array]:
-    """Feed the prompt (`prefill_logits`); return (g0 (1,), h (1, H)): the target's next token and its hidden
-    state at the prompt's last position (lazy)."""
+            rng: Rng | None = None, recent: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Feed the prompt (`prefill_logits`); return (g0 (1,), h (1, H)): the target's next token (`decide`) and its
+    hidden state at the prompt's last position (lazy)."""
     logits, hidden = prefill_logits(model, cache, prompt)
-    return next_token(logits, sampling, rng), hidden
+    return decide(logits, sampling, rng, recent=recent)[0], hidden
 
 
 def ar_logits(model: Model, cache: KVCache, token: mx.array) -> mx.array:
@@ -56,9 +58,9 @@ def ar_logits(model: Model, cache: KVCache, token: mx.array) -> mx.array:
 
 
 def ar_step(model: Model, cache: KVCache, token: mx.array, sampling: Sampling = GREEDY,
-            rng: Rng | None = None) -> mx.array:
-    """Feed one token (1,); return the target's next token (1,) (lazy)."""
-    return next_token(ar_logits(model, cache, token), sampling, rng)
+            rng: Rng | None = None, recent: mx.array | None = None) -> mx.array:
+    """Feed one token (1,); return the target's next token (1,) (`decide`) (lazy)."""
+    return decide(ar_logits(model, cache, token), sampling, rng, recent=recent)[0]
 
 
 @dataclass
@@ -102,7 +104,9 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     positions = (cache.offset + tree.depth)[None]  # verify
     logits, hidden = model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))
     clock.lap("verify", logits, hidden)
-    acc = accept(cands, tree, logits[0], sampling, None if sampling.greedy else rng.next())  # accept
+    recent = window(state.tokens, sampling.recent_size) if sampling.penalties else None  # accept
+    acc = accept(cands, tree, adjust(logits[0], sampling, recent, tree), sampling,
+                 None if sampling.greedy else rng.next())
     h = hidden[0, acc.stop][None]
     drafted = tree.tokens[acc.path]
     lens = mx.cumprod(cands >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD

@@ -50,6 +50,8 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--logit-bias", "5"], ["--logit-bias", "'5' is not ID=BIAS"]),
         (["-p", "hi", "--logit-bias", "5=-101"], ["--logit-bias", "from -100 to 100"]),
         (["-p", "hi", "--logit-bias", "49152=1"], ["--logit-bias", "token id 49152", "vocabulary of 49152"]),
+        (["-p", "hi", "--repetition-penalty", "-1"], ["--repetition-penalty", "from 0 to 10"]),
+        (["-p", "hi", "--frequency-context-size", "0"], ["--frequency-context-size", "from 1 to 4096"]),
     ],
 )
 def test_bad_arguments(args, needles):

@@ -155,19 +155,26 @@ def test_lookup_else_rnn_through_the_api(target, prompts, ar_outputs, shipped):
     assert slots[0].source.max_length == res.settings["lookup_max_length"] == DEFAULT_LOOKUP_MAX_LENGTH
 
 
-def test_a_logit_bias_is_exact_in_every_draft_mode_alone_and_batched(target, prompts, shipped):
-    """A bias changes what every choice reads, greedy included: each draft mode decodes what AR decodes with the
-    same bias, alone and batched, and a banned token never appears."""
+PENALTIES = {"repetition_penalty": 1.3, "repetition_context_size": 6, "presence_penalty": 0.5,
+             "frequency_penalty": 0.3, "frequency_context_size": 40}
+
+
+@pytest.mark.parametrize("adjust", ["logit_bias", "penalties"])
+def test_adjusted_logits_are_exact_in_every_draft_mode_alone_and_batched(target, prompts, shipped, adjust):
+    """A logit bias or penalties on recent tokens change what every choice reads, greedy included (penalties: each
+    tree node by its own path): each draft mode decodes what AR decodes with the same settings, alone and batched."""
     lm = api.LoadedModel(target, shipped, "shipped")
     plain = api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft="none").tokens
-    bias = {plain[1]: -100.0, plain[5]: 4.0}
-    ar = api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft="none", logit_bias=bias).tokens
-    assert ar != plain and plain[1] not in ar
+    settings = {"logit_bias": {plain[1]: -100.0, plain[5]: 4.0}} if adjust == "logit_bias" else PENALTIES
+    ar = api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft="none", **settings).tokens
+    assert ar != plain
+    if adjust == "logit_bias":
+        assert plain[1] not in ar
     for draft in ("rnn", "lookup", "rnn+lookup", "lookup-else-rnn"):
-        assert api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft=draft, logit_bias=bias).tokens == ar, draft
-    for draft in ("none", "lookup-else-rnn"):  # batched plain steps take one argmax for rows without a bias
+        assert api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft=draft, **settings).tokens == ar, draft
+    for draft in ("none", "lookup-else-rnn"):  # batched plain steps take one argmax only for rows without either
         batch = api.generate_batch(lm, [prompts[0], prompts[1]], batch_size=2, max_tokens=MAX_TOKENS, draft=draft,
-                                   logit_bias=bias)
+                                   **settings)
         assert batch[0].tokens == ar, draft
 
 

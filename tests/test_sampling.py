@@ -61,6 +61,41 @@ def test_logit_bias_forms_and_one_line_errors():
             Sampling(logit_bias=bad)
 
 
+def test_penalty_settings_are_checked():
+    s = Sampling(repetition_penalty=1.2, frequency_penalty=0.5, frequency_context_size=64)
+    assert s.penalties == (("repetition", 1.2, 20), ("frequency", 0.5, 64)) and s.recent_size == 64
+    assert Sampling(repetition_penalty=1.0).penalties == () == Sampling().penalties  # 0 and 1 are off
+    for kw, needle in (({"repetition_penalty": -1}, "--repetition-penalty"), ({"presence_penalty": 2.5}, "-2 to 2"),
+                       ({"frequency_penalty": float("nan")}, "--frequency-penalty"),
+                       ({"presence_context_size": 0}, "--presence-context-size must be an integer from 1"),
+                       ({"repetition_context_size": 1.5}, "--repetition-context-size")):
+        with pytest.raises(UserError, match=needle):
+            Sampling(**kw)
+
+
+def test_penalties_and_bias_are_mlx_lms_logits_processors(target, lm):
+    """Greedy AR with a logit bias and every penalty decodes what mlx-lm's own logits processors give, applied
+    step by step to our target's logits over the prompt and the answer so far."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlx_redrafter.step import ar_logits, prefill_logits
+
+    settings = {"logit_bias": {13: 2.0, 28: -3.0}, "repetition_penalty": 1.4, "repetition_context_size": 12,
+                "presence_penalty": 0.6, "presence_context_size": 20, "frequency_penalty": 0.4,
+                "frequency_context_size": 30}
+    processors = make_logits_processors(**settings)
+    model, ids = target.model, target.tokenizer.encode_chat([{"role": "user", "content": "List ten colors."}])
+    cache, tokens = model.make_cache(len(ids) + 32), list(ids)
+    logits, _ = prefill_logits(model, cache, ids)
+    for _ in range(24):
+        for process in processors:
+            logits = process(mx.array(tokens), logits)
+        tokens.append(int(mx.argmax(logits, axis=-1).item()))
+        logits = ar_logits(model, cache, mx.array(tokens[-1:]))
+    ours = api.generate(lm, ids, max_tokens=24, draft="none", **settings).tokens
+    assert ours == tokens[len(ids):][: len(ours)] and len(ours) >= 8
+
+
 def test_a_banned_token_is_never_sampled(lm):
     ban = api.generate(lm, "Tell me a story.", max_tokens=1, draft="none").tokens[0]
     for draft in ("none", "rnn+lookup"):

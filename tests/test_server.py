@@ -91,12 +91,15 @@ def test_greedy_chat_equals_the_library_and_reports_speculation(client, lm):
     assert res.usage.completion_tokens > 0 and res.usage.prompt_tokens > 0
 
 
-def test_a_logit_bias_answers_what_the_library_answers_with_it(client, lm):
+def test_a_logit_bias_and_penalties_answer_what_the_library_answers_with_them(client, lm):
     first = api.generate(lm, QUESTION, max_tokens=12).tokens[0]
-    want = api.generate(lm, QUESTION, max_tokens=12, logit_bias={first: -100})
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_context_size": 30}
+    want = api.generate(lm, QUESTION, max_tokens=24, logit_bias={first: -100}, **penalties)
     for draft in ("none", "lookup-else-rnn"):
-        res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=12,
-                                             logit_bias={str(first): -100}, extra_body={"draft": draft})
+        res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=24,
+                                             logit_bias={str(first): -100}, presence_penalty=0.5,
+                                             extra_body={"draft": draft, "repetition_penalty": 1.3,
+                                                         "frequency_context_size": 30})
         assert res.choices[0].message.content == want.text and first not in want.tokens
 
 
@@ -269,6 +272,10 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "logit_bias": {"5": 500}}, 400, "from -100 to 100", "logit_bias"),
     ({"messages": HI, "logit_bias": [5, -100]}, 400, "not an (id, bias) pair", "logit_bias"),
     ({"messages": HI, "logit_bias": {"49152": 1}}, 400, "outside the model's vocabulary", None),
+    ({"messages": HI, "presence_penalty": 2.5}, 400, "presence_penalty must be a finite number from -2 to 2",
+     "presence_penalty"),
+    ({"messages": HI, "repetition_context_size": 0}, 400, "repetition_context_size must be an integer",
+     "repetition_context_size"),
     ({"messages": HI, "logprobs": 3}, 400, "'logprobs' must be true or false", "logprobs"),
     ({"messages": HI, "echo": True}, 400, "'echo' is a field of /v1/completions", "echo"),
     ({"messages": HI, "top_logprobs": 3}, 400, "needs 'logprobs': true", "top_logprobs"),

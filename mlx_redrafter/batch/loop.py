@@ -32,6 +32,7 @@ from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Emitter, Record
 from mlx_redrafter.logprobs import Pending, of_prompt, pending
 from mlx_redrafter.model import Model, forward_chunked
+from mlx_redrafter.penalties import window
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling
 from mlx_redrafter.step import decide, prefill_logits
 
@@ -87,7 +88,8 @@ class Batch:
             logits, h = logits[:, -1], hidden[:, -1]
         else:
             logits, h = prefill_logits(self.model, one, prompt)
-        g0, lp = decide(logits, sampling, rng, logprobs)
+        recent = window([*history, *prompt], sampling.recent_size) if sampling.penalties else None
+        g0, lp = decide(logits, sampling, rng, logprobs, recent)
         mx.eval(g0, h, *one.state(), *(lp.arrays() if lp else ()))
         prompt_lps = of_prompt(self.model, hidden, prompt, logprobs) if scored else None
         first = g0.item()
@@ -179,7 +181,8 @@ class Batch:
     def _plain(self, seqs: list[_Seq]) -> tuple[list[list[int]], list[Pending | None]]:
         """One plain step for every row: the token each decided, and its log-probabilities where asked for."""
         g0 = mx.concatenate([s.state.g0 for s in seqs])
-        nxt, hidden, logits = ar_step(self.model, self.cache, g0, [s.sampling for s in seqs], [s.rng for s in seqs])
+        nxt, hidden, logits = ar_step(self.model, self.cache, g0, [s.sampling for s in seqs], [s.rng for s in seqs],
+                                      [s.state.tokens for s in seqs])
         lps = [None if s.logprobs is None else pending(logits[r : r + 1], nxt[r : r + 1], s.logprobs)
                for r, s in enumerate(seqs)]
         mx.eval(nxt, hidden, *(a for lp in lps if lp for a in lp.arrays()))

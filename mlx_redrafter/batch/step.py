@@ -22,8 +22,9 @@ from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.draft.base import DecodeState, Proposal, Slot, propose_rows
 from mlx_redrafter.logprobs import along_path
 from mlx_redrafter.model import Model, Ragged
-from mlx_redrafter.sampling import GREEDY, Rng, Sampling, next_token
-from mlx_redrafter.step import StepResult
+from mlx_redrafter.penalties import window
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token
+from mlx_redrafter.step import StepResult, decide
 
 
 @dataclass
@@ -42,17 +43,19 @@ class Row:
 
 
 def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sampling],
-            rngs: list[Rng | None]) -> tuple[mx.array, mx.array, mx.array]:
+            rngs: list[Rng | None], sequences: list[list[int]] | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Feed one token per row (B,); return each row's next token (B,) under its own sampling settings, its
-    hidden state there (B, H) (what a drafter conditions on) and the logits it was decided from (B, V) (lazy)."""
+    hidden state there (B, H) (what a drafter conditions on) and the target's logits (B, V) (lazy). `sequences`:
+    each row's tokens so far, ending with the token fed (needed only by a row with penalties)."""
     B = cache.rows
     positions = mx.array(cache.lengths, dtype=mx.int32)[:, None]
     mask = mx.concatenate([cache.context_mask(), mx.ones((B, 1), dtype=mx.bool_)], axis=1)[:, None, None]
     logits, hidden = model(tokens[:, None], cache, positions, mask)
     cache.commit_rows(None, [1] * B)
-    if all(s.greedy and not s.logit_bias for s in samplings):  # one argmax for every row
+    if all(s.greedy and not s.logit_bias and not s.penalties for s in samplings):  # one argmax for every row
         return next_token(logits[:, -1], GREEDY, None), hidden[:, -1], logits[:, -1]
-    return mx.concatenate([next_token(logits[r : r + 1, -1], s, rng)
+    return mx.concatenate([decide(logits[r : r + 1, -1], s, rng, recent=None if not s.penalties else
+                                  window(sequences[r], s.recent_size))[0]
                            for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1], logits[:, -1]
 
 
@@ -87,7 +90,8 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     outs = []
     for row, p, t, s in zip(rows, proposals, trees, starts):  # accept
         key = None if row.sampling.greedy else row.rng.next()
-        acc = accept(p.candidates, t, logits[s : s + t.size], row.sampling, key)
+        recent = window(row.state.tokens, row.sampling.recent_size) if row.sampling.penalties else None
+        acc = accept(p.candidates, t, adjust(logits[s : s + t.size], row.sampling, recent, t), row.sampling, key)
         lens = mx.cumprod(p.candidates >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD
         drafted = t.tokens[acc.path]
         lp = None if row.logprobs is None else along_path(logits[s : s + t.size], acc.path, drafted, acc.n,

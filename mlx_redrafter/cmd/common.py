@@ -137,6 +137,20 @@ DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
     "logit_bias": (str | None, typer.Option(None, "--logit-bias", help=(
         "Add a bias to tokens' logits before every choice, greedy included, as ID=BIAS,ID=BIAS (-100 bans a "
         "token, +100 all but forces it; exact under speculation) \\[none]."))),
+    "repetition_penalty": (float | None, typer.Option(None, "--repetition-penalty", help=(
+        "mlx-lm's repetition penalty on the tokens of the last --repetition-context-size: a positive logit is "
+        "divided by it, a negative one multiplied (0 or 1 = off; exact under speculation) \\[0]."))),
+    "repetition_context_size": (int | None, typer.Option(None, "--repetition-context-size", help=(
+        "Tokens the repetition penalty looks back, the prompt included \\[20]."))),
+    "presence_penalty": (float | None, typer.Option(None, "--presence-penalty", help=(
+        "Subtract this (-2 to 2) from the logit of every token in the last --presence-context-size \\[0]."))),
+    "presence_context_size": (int | None, typer.Option(None, "--presence-context-size", help=(
+        "Tokens the presence penalty looks back \\[20]."))),
+    "frequency_penalty": (float | None, typer.Option(None, "--frequency-penalty", help=(
+        "Subtract this (-2 to 2) from a token's logit once per time it occurs in the last "
+        "--frequency-context-size \\[0]."))),
+    "frequency_context_size": (int | None, typer.Option(None, "--frequency-context-size", help=(
+        "Tokens the frequency penalty looks back \\[20]."))),
     "accept": (str | None, typer.Option(None, "--accept", help=(
         "Speculative acceptance at T > 0: exact (the target's distribution) or typical (Medusa's, faster, not "
         "exact) \\[exact]."))),

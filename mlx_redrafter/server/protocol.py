@@ -21,12 +21,13 @@ from mlx_redrafter.schema import shown
 # Request fields that select how to decode, by their flat option names (draft modes, shapes, sampling).
 DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup", "lookup_max_length",
                  "answers_width", "drafter_vocab", "draft_confidence", "medusa_tree", "temperature", "top_p",
-                 "top_k", "min_p", "seed", "accept", "typical_eps", "typical_delta", "logit_bias")
+                 "top_k", "min_p", "seed", "accept", "typical_eps", "typical_delta", "logit_bias",
+                 "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+                 "frequency_penalty", "frequency_context_size")
 TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields that take a string
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 # Fields this server does not serve -> the value that means "not used".
-UNSUPPORTED = {"tools": None, "functions": None, "presence_penalty": 0, "frequency_penalty": 0,
-               "response_format": None, "suffix": None, "best_of": 1}
+UNSUPPORTED = {"tools": None, "functions": None, "response_format": None, "suffix": None, "best_of": 1}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 MAX_STOPS = 4
 
