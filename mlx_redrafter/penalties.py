@@ -30,21 +30,42 @@ def slide(recent: mx.array, token: mx.array) -> mx.array:
     return mx.concatenate([recent[1:], token.astype(mx.int32)])
 
 
-def counts(recent: mx.array, size: int, vocab: int, tree: PackedTree | None = None) -> mx.array:
-    """(rows, vocab) float32: how often each token occurs in the last `size` tokens each row continues. Without a
-    tree, one row: the sequence so far (`recent` holds at least its last `size` tokens). With a packed tree whose
-    root is the sequence's last token, one row per node: the sequence so far, then the node's path below the root
-    (see the module docstring) (lazy)."""
+def _window_entries(recent: mx.array, size: int, tree: PackedTree | None) -> tuple[mx.array, mx.array]:
+    """The tokens each row's window may hold and whether each is in it: ids (rows, K) int32 and weights (rows, K)
+    float32 (1 in the window, 0 not). Without a tree, one row: the sequence so far (`recent` holds at least its
+    last `size` tokens). With a packed tree whose root is the sequence's last token, one row per node: the
+    sequence so far, then the node's path below the root (see the module docstring) (lazy)."""
     hist = recent[-size:]
     seen = (hist >= 0).astype(mx.float32)
     ids = mx.maximum(hist, 0)
     if tree is None:
-        return mx.zeros((1, vocab), mx.float32).at[mx.zeros_like(ids), ids].add(seen)
+        return ids[None], seen[None]
     P, depth = tree.size, tree.depth
     # A node at depth d keeps the sequence's last size - d tokens and its own last min(d, size) path tokens.
     keep_hist = (mx.arange(size)[None, :] >= depth[:, None]) * seen[None, :]  # (P, size)
     on_path = tree.mask & (depth[None, :] >= 1) & (depth[None, :] > depth[:, None] - size)  # (P, P)
-    rows = mx.concatenate([mx.repeat(mx.arange(P), size), mx.repeat(mx.arange(P), P)])
-    cols = mx.concatenate([mx.tile(ids, P), mx.tile(tree.tokens.astype(mx.int32), P)])
-    weights = mx.concatenate([keep_hist.reshape(-1), on_path.reshape(-1).astype(mx.float32)])
-    return mx.zeros((P, vocab), mx.float32).at[rows, cols].add(weights)
+    ids = mx.concatenate([mx.broadcast_to(ids[None], (P, size)),
+                          mx.broadcast_to(tree.tokens.astype(mx.int32)[None], (P, P))], axis=1)
+    return ids, mx.concatenate([keep_hist, on_path.astype(mx.float32)], axis=1)
+
+
+def penalize(logits: mx.array, penalties: tuple[tuple[str, float, int], ...], recent: mx.array,
+             tree: PackedTree | None = None) -> mx.array:
+    """(rows, V) float32 logits with each penalty (kind, penalty, context size; in order) applied to the tokens of
+    each row's window (`_window_entries`): repetition divides a positive logit by the penalty and multiplies a
+    negative one, presence subtracts it once, frequency once per occurrence. Only the window's tokens are read and
+    written (lazy)."""
+    x, ids = logits, None
+    for kind, penalty, size in penalties:
+        ids, weights = _window_entries(recent, size, tree)
+        times = ((ids[:, :, None] == ids[:, None, :]) * weights[:, None, :]).sum(axis=-1)  # occurrences, per entry
+        value = mx.take_along_axis(x, ids, axis=-1)
+        if kind == "repetition":
+            new = mx.where(value < 0, value * penalty, value / penalty)
+        elif kind == "presence":
+            new = value - penalty
+        else:
+            new = value - penalty * times
+        # every copy of a token in a row writes the same value; a token outside the window keeps its logit
+        x = mx.put_along_axis(x, ids, mx.where(times > 0, new, value), axis=-1)
+    return x

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.penalties import counts
+from mlx_redrafter.penalties import penalize
 
 
 @dataclass(frozen=True)
@@ -188,22 +188,9 @@ def check_bias_ids(s: Sampling, vocab: int) -> None:
 def adjust(logits: mx.array, s: Sampling, recent: mx.array | None = None, tree: Any = None) -> mx.array:
     """(rows, V) logits as every choice reads them (`next_token`, `accept`): the logit bias added, then the penalties
     on recent tokens (mlx-lm's order); as they are when neither is set. `recent` (the latest `s.recent_size`
-    tokens or more) and `tree` (one row per node) as in `penalties.counts`; needed only with a penalty (lazy)."""
+    tokens or more) and `tree` (one row per node) as in `penalties.penalize`; needed only with a penalty (lazy)."""
     x = biased(logits, s)
-    if not s.penalties:
-        return x
-    x, seen = x.astype(mx.float32), {}
-    for kind, penalty, size in s.penalties:
-        if size not in seen:
-            seen[size] = counts(recent, size, x.shape[-1], tree)
-        c = seen[size]
-        if kind == "repetition":
-            x = mx.where(c > 0, mx.where(x < 0, x * penalty, x / penalty), x)
-        elif kind == "presence":
-            x = x - penalty * (c > 0)
-        else:
-            x = x - penalty * c
-    return x
+    return penalize(x.astype(mx.float32), s.penalties, recent, tree) if s.penalties else x
 
 
 def probs(logits: mx.array, s: Sampling) -> mx.array:
