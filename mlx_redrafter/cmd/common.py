@@ -96,6 +96,25 @@ def int_list(text: str, flag: str) -> list[int]:
     return sorted(vals)
 
 
+PENALTY_HELP = {  # mlx-lm's penalties (sampling.PENALTIES), what each does to the tokens of its window
+    "repetition": "Divide a positive logit by this (> 1 discourages), multiply a negative one, for every token",
+    "presence": "Subtract this (-2 to 2) from the logit of every token",
+    "frequency": "Subtract this (-2 to 2) from a token's logit once per time it occurs",
+}
+
+
+def _penalty_flags() -> dict[str, tuple[Any, Any]]:
+    """--KIND-penalty and --KIND-context-size for each of mlx-lm's penalties."""
+    flags: dict[str, tuple[Any, Any]] = {}
+    for kind, what in PENALTY_HELP.items():
+        flags[f"{kind}_penalty"] = (float | None, typer.Option(None, f"--{kind}-penalty", help=(
+            f"{what} in the last --{kind}-context-size tokens (the prompt included; exact under speculation) "
+            "\\[0: off].")))
+        flags[f"{kind}_context_size"] = (int | None, typer.Option(None, f"--{kind}-context-size", help=(
+            f"Tokens the {kind} penalty looks back \\[20].")))
+    return flags
+
+
 # Decoding flags shared by generate, chat and serve: name -> (type, option). None = not given: the tuned entry or
 # the default applies (`tuning.resolve`), so every default is in one place (options.py, defaults.py).
 DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
@@ -137,20 +156,7 @@ DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
     "logit_bias": (str | None, typer.Option(None, "--logit-bias", help=(
         "Add a bias to tokens' logits before every choice, greedy included, as ID=BIAS,ID=BIAS (-100 bans a "
         "token, +100 all but forces it; exact under speculation) \\[none]."))),
-    "repetition_penalty": (float | None, typer.Option(None, "--repetition-penalty", help=(
-        "mlx-lm's repetition penalty on the tokens of the last --repetition-context-size: a positive logit is "
-        "divided by it, a negative one multiplied (0 or 1 = off; exact under speculation) \\[0]."))),
-    "repetition_context_size": (int | None, typer.Option(None, "--repetition-context-size", help=(
-        "Tokens the repetition penalty looks back, the prompt included \\[20]."))),
-    "presence_penalty": (float | None, typer.Option(None, "--presence-penalty", help=(
-        "Subtract this (-2 to 2) from the logit of every token in the last --presence-context-size \\[0]."))),
-    "presence_context_size": (int | None, typer.Option(None, "--presence-context-size", help=(
-        "Tokens the presence penalty looks back \\[20]."))),
-    "frequency_penalty": (float | None, typer.Option(None, "--frequency-penalty", help=(
-        "Subtract this (-2 to 2) from a token's logit once per time it occurs in the last "
-        "--frequency-context-size \\[0]."))),
-    "frequency_context_size": (int | None, typer.Option(None, "--frequency-context-size", help=(
-        "Tokens the frequency penalty looks back \\[20]."))),
+    **_penalty_flags(),
     "accept": (str | None, typer.Option(None, "--accept", help=(
         "Speculative acceptance at T > 0: exact (the target's distribution) or typical (Medusa's, faster, not "
         "exact) \\[exact]."))),
