@@ -26,8 +26,8 @@ from mlx_redrafter.draft.base import Allocator, DecodeState
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.logprobs import Pending, TokenLogprob
 from mlx_redrafter.model import Model
-from mlx_redrafter.penalties import slide, window
-from mlx_redrafter.sampling import GREEDY, Rng, Sampling
+from mlx_redrafter.penalties import slide
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, recent_tokens
 from mlx_redrafter.step import ar_logits, decide, prefill_logits, speculative_step
 
 
@@ -219,7 +219,7 @@ def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_i
     `logprobs` = k, each token's log-probability and k alternatives come along (logprobs.py)."""
     run = _Run(model, prompt, cache, list(history), 1, max_tokens, sampling, eos_ids)
     cache, rng = run.cache, run.rng
-    recent = window([*history, *prompt], sampling.recent_size) if sampling.penalties else None
+    recent = recent_tokens([*history, *prompt], sampling)
 
     def step(token: mx.array) -> tuple[mx.array, Pending | None]:
         nonlocal recent
@@ -258,8 +258,7 @@ def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, 
     cache, rng = run.cache, run.rng
     try:
         logits, h = prefill_logits(model, cache, prompt)
-        recent = window([*history, *prompt], sampling.recent_size) if sampling.penalties else None
-        g0, lp = decide(logits, sampling, rng, logprobs, recent)
+        g0, lp = decide(logits, sampling, rng, logprobs, recent_tokens([*history, *prompt], sampling))
         first = g0.item()
         run.prefilled = True
         state = DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h)

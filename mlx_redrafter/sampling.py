@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.penalties import penalize
+from mlx_redrafter.penalties import penalize, window
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,11 @@ def adjust(logits: mx.array, s: Sampling, recent: mx.array | None = None, tree: 
     tokens or more) and `tree` (one row per node) as in `penalties.penalize`; needed only with a penalty (lazy)."""
     x = biased(logits, s)
     return penalize(x.astype(mx.float32), s.penalties, recent, tree) if s.penalties else x
+
+
+def recent_tokens(tokens: list[int], s: Sampling) -> mx.array | None:
+    """What `adjust` needs of a sequence's tokens: the latest ones its penalties read (None without penalties)."""
+    return window(tokens, s.recent_size) if s.penalties else None
 
 
 def probs(logits: mx.array, s: Sampling) -> mx.array:

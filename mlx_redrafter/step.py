@@ -19,8 +19,7 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.draft.base import DecodeState, Slot, propose
 from mlx_redrafter.logprobs import Pending, along_path, pending
 from mlx_redrafter.model import Model, forward_chunked
-from mlx_redrafter.penalties import window
-from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token, recent_tokens
 from mlx_redrafter.tree import verify_mask
 
 PHASES = ("draft", "pack", "verify", "accept", "commit")
@@ -104,7 +103,7 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     positions = (cache.offset + tree.depth)[None]  # verify
     logits, hidden = model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))
     clock.lap("verify", logits, hidden)
-    recent = window(state.tokens, sampling.recent_size) if sampling.penalties else None  # accept
+    recent = recent_tokens(state.tokens, sampling)  # accept
     acc = accept(cands, tree, adjust(logits[0], sampling, recent, tree), sampling,
                  None if sampling.greedy else rng.next())
     h = hidden[0, acc.stop][None]

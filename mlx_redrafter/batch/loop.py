@@ -32,8 +32,7 @@ from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Emitter, Record
 from mlx_redrafter.logprobs import Pending, of_prompt, pending
 from mlx_redrafter.model import Model, forward_chunked
-from mlx_redrafter.penalties import window
-from mlx_redrafter.sampling import GREEDY, Rng, Sampling
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, recent_tokens
 from mlx_redrafter.step import decide, prefill_logits
 
 
@@ -88,8 +87,7 @@ class Batch:
             logits, h = logits[:, -1], hidden[:, -1]
         else:
             logits, h = prefill_logits(self.model, one, prompt)
-        recent = window([*history, *prompt], sampling.recent_size) if sampling.penalties else None
-        g0, lp = decide(logits, sampling, rng, logprobs, recent)
+        g0, lp = decide(logits, sampling, rng, logprobs, recent_tokens([*history, *prompt], sampling))
         mx.eval(g0, h, *one.state(), *(lp.arrays() if lp else ()))
         prompt_lps = of_prompt(self.model, hidden, prompt, logprobs) if scored else None
         first = g0.item()

@@ -22,8 +22,7 @@ from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.draft.base import DecodeState, Proposal, Slot, propose_rows
 from mlx_redrafter.logprobs import along_path
 from mlx_redrafter.model import Model, Ragged
-from mlx_redrafter.penalties import window
-from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token
+from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token, recent_tokens
 from mlx_redrafter.step import StepResult, decide
 
 
@@ -54,8 +53,7 @@ def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sa
     cache.commit_rows(None, [1] * B)
     if all(s.greedy and not s.logit_bias and not s.penalties for s in samplings):  # one argmax for every row
         return next_token(logits[:, -1], GREEDY, None), hidden[:, -1], logits[:, -1]
-    return mx.concatenate([decide(logits[r : r + 1, -1], s, rng, recent=None if not s.penalties else
-                                  window(sequences[r], s.recent_size))[0]
+    return mx.concatenate([decide(logits[r : r + 1, -1], s, rng, recent=recent_tokens(sequences[r], s))[0]
                            for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1], logits[:, -1]
 
 
@@ -90,7 +88,7 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     outs = []
     for row, p, t, s in zip(rows, proposals, trees, starts):  # accept
         key = None if row.sampling.greedy else row.rng.next()
-        recent = window(row.state.tokens, row.sampling.recent_size) if row.sampling.penalties else None
+        recent = recent_tokens(row.state.tokens, row.sampling)
         acc = accept(p.candidates, t, adjust(logits[s : s + t.size], row.sampling, recent, t), row.sampling, key)
         lens = mx.cumprod(p.candidates >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD
         drafted = t.tokens[acc.path]
