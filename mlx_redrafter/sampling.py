@@ -1,9 +1,10 @@
 """The target's next-token distribution under sampling settings, shared by AR and speculative decoding.
 
-`Sampling` holds what the user asked for (mlx-lm's names: temperature, top_p, top_k, min_p, seed); `probs`
-turns target logits into the distribution every path samples from, so AR and speculative decoding sample
-from exactly the same distribution. Filters apply in this order: temperature, top-k, top-p, min-p.
-Temperature 0 means greedy (argmax).
+`Sampling` holds what the user asked for (mlx-lm's names: temperature, top_p, top_k, min_p, seed, logit_bias and
+the repetition/presence/frequency penalties). `adjust` gives the logits every choice reads (the bias, then the
+penalties on each row's own recent tokens: penalties.py), and `probs` turns them into the distribution every path
+samples from, so AR and speculative decoding choose from exactly the same distribution. Filters apply in this
+order: temperature, top-k, top-p, min-p. Temperature 0 means greedy (argmax).
 """
 
 from __future__ import annotations
@@ -82,9 +83,8 @@ class Sampling:
     @property
     def penalties(self) -> tuple[tuple[str, float, int], ...]:
         """The penalties in use, in the order they apply: (kind, penalty, context size)."""
-        off = {"repetition": (0.0, 1.0), "presence": (0.0,), "frequency": (0.0,)}
         return tuple((k, float(getattr(self, f"{k}_penalty")), getattr(self, f"{k}_context_size"))
-                     for k in PENALTIES if getattr(self, f"{k}_penalty") not in off[k])
+                     for k in PENALTIES if getattr(self, f"{k}_penalty") not in PENALTY_OFF[k])
 
     @property
     def recent_size(self) -> int:
@@ -106,6 +106,7 @@ class Sampling:
 
 
 PENALTIES = ("repetition", "presence", "frequency")  # in the order they apply (mlx-lm's), after the logit bias
+PENALTY_OFF = {"repetition": (0.0, 1.0), "presence": (0.0,), "frequency": (0.0,)}  # values that change nothing
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY_CONTEXT = 4096  # tokens a penalty may look back
 
