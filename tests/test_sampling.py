@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -158,7 +159,7 @@ def exact_distribution(model, cache, prefix_last: int, s: Sampling, depth: int) 
 def draw(model, cache, prompt_last, history, alloc_fn, s: Sampling, n: int, depth: int) -> Counter:
     counts: Counter = Counter()
     for i in range(n):
-        si = Sampling(temperature=s.temperature, top_k=s.top_k, seed=1000 + i, accept=s.accept)
+        si = replace(s, seed=1000 + i)
         toks, _ = collect(generate_speculative(model, [prompt_last], alloc_fn(), length=3, max_tokens=depth,
                                                sampling=si, cache=cache.copy(), history=history))
         counts[tuple(toks)] += 1
