@@ -55,10 +55,12 @@ def penalize(logits: mx.array, penalties: tuple[tuple[str, float, int], ...], re
     each row's window (`_window_entries`): repetition divides a positive logit by the penalty and multiplies a
     negative one, presence subtracts it once, frequency once per occurrence. Only the window's tokens are read and
     written (lazy)."""
-    x, ids = logits, None
+    x, windows = logits, {}
     for kind, penalty, size in penalties:
-        ids, weights = _window_entries(recent, size, tree)
-        times = ((ids[:, :, None] == ids[:, None, :]) * weights[:, None, :]).sum(axis=-1)  # occurrences, per entry
+        if size not in windows:  # penalties of one window size share its entries and counts
+            ids, weights = _window_entries(recent, size, tree)
+            windows[size] = ids, ((ids[:, :, None] == ids[:, None, :]) * weights[:, None, :]).sum(axis=-1)
+        ids, times = windows[size]  # times: occurrences in the window of each entry's token
         value = mx.take_along_axis(x, ids, axis=-1)
         if kind == "repetition":
             new = mx.where(value < 0, value * penalty, value / penalty)

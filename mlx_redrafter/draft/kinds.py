@@ -51,17 +51,19 @@ def check_drafter_config(folder: Path) -> None:
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise UserError(f"{folder} has no config.json")
-    cfg = read_json(cfg_file, "drafter config")
-    ARGS_OF_TYPE[model_type_of(cfg, cfg_file)].from_dict(cfg, f"drafter config {cfg_file}")
+    _check_config(read_json(cfg_file, "drafter config"), cfg_file)
 
 
 def check_drafter_files(path: str | Path) -> None:
     """One-line UserError unless the drafter at `path` has a valid config of a known kind and a weights file whose
     layout parses: what can be checked without a target, so a malformed drafter fails before the target loads."""
     cfg, weights_file = read_checkpoint(path)
-    cfg_file = weights_file.parent / "config.json"
-    ARGS_OF_TYPE[model_type_of(cfg, cfg_file)].from_dict(cfg, f"drafter config {cfg_file}")
+    _check_config(cfg, weights_file.parent / "config.json")
     safetensors_header.read_header(weights_file, "drafter weights")
+
+
+def _check_config(cfg: dict, cfg_file: Path) -> None:
+    ARGS_OF_TYPE[model_type_of(cfg, cfg_file)].from_dict(cfg, f"drafter config {cfg_file}")
 
 
 def draft_kind(drafter: AnyDrafter | None) -> str | None:
