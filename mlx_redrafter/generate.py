@@ -96,10 +96,14 @@ class Stats:
         self.phase_s.update(r.phase_s)
 
     @property
+    def decided_tokens(self) -> int:
+        """Tokens the target calls after prefill decided, a final eos included."""
+        return self.generated_tokens - 1 + (self.stop_reason == "eos")
+
+    @property
     def tokens_per_step(self) -> float:
         """Tokens decided per target call after prefill, a final eos included (1.0 for AR)."""
-        decided = self.generated_tokens - 1 + (self.stop_reason == "eos")
-        return decided / self.steps if self.steps else 0.0
+        return self.decided_tokens / self.steps if self.steps else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:

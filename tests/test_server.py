@@ -182,10 +182,37 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(client, lm):
     as_ids = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=1, logprobs=1, echo=True)
     assert as_ids.choices[0].text == choice.text  # a prompt of token ids, as lm-evaluation-harness sends one
     assert all(abs(a - b) < 1e-4 for a, b in zip(as_ids.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:]))
-    for bad in ([[1, 2], [3]], [1, 2.5], [49152], [-1], []):
+    for bad in ([[1, 2], []], [1, 2.5], [49152], [-1], [], ["x", 5], [[1], [49152]]):
         r = httpx.post(f"{client.base_url}completions", json={"prompt": bad}, timeout=60,
                        headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
+
+
+def test_n_choices_per_prompt_and_several_prompts_per_request(client, lm):
+    one = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=16)
+    res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=16, n=3)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    assert {c.message.content for c in res.choices} == {one.choices[0].message.content}  # greedy: the same answer
+    assert res.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert res.usage.completion_tokens == 3 * one.usage.completion_tokens
+    story = {"model": "smollm2-135m", "messages": _chat("Tell me a story."), "max_tokens": 16, "temperature": 0.9}
+    sampled = client.chat.completions.create(**story, n=2, seed=3).choices
+    alone = [client.chat.completions.create(**story, seed=seed).choices[0].message.content for seed in (3, 4)]
+    assert [c.message.content for c in sampled] == alone and alone[0] != alone[1]  # choice k draws from seed + k
+    prompts = ["1, 2, 3, 4, 5,", "The capital of France is"]
+    batch = client.completions.create(model="smollm2-135m", prompt=prompts, max_tokens=8, n=2)
+    want = [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=8).choices[0].text for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [want[0], want[0], want[1], want[1]]  # choice i answers prompt i // n
+    streamed = list(client.completions.create(model="smollm2-135m", prompt=prompts, max_tokens=8, stream=True,
+                                              stream_options={"include_usage": True}))
+    texts, finished = ["", ""], [None, None]
+    for c in streamed:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            finished[ch.index] = ch.finish_reason or finished[ch.index]
+    assert texts == want and None not in finished
+    assert streamed[-1].usage.completion_tokens == 16 and not streamed[-1].choices
 
 
 def test_a_follow_up_reuses_the_conversation_cache(client):
@@ -244,7 +271,9 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ("not json", 400, "not valid JSON", None),
     ("[" * 100000 + "]" * 100000, 400, "nested too deeply", None),
     ({"model": "gpt-17", "messages": HI}, 404, "not served here", "model"),
-    ({"messages": HI, "n": 2}, 400, "'n' must be 1", "n"),
+    ({"messages": HI, "n": 0}, 400, "'n' must be an integer from 1 to 128", "n"),
+    ({"messages": HI, "n": True}, 400, "'n' must be an integer", "n"),
+    ({"messages": HI, "n": 20}, 400, "asks for 20 completions but this server holds at most 19", "n"),
     ({"messages": HI, "temperature": "hot"}, 400, "temperature must be", "temperature"),
     ({"messages": HI, "temperature": -1}, 400, "temperature must be", "temperature"),
     ({"messages": HI, "temperature": 3.5}, 400, "temperature must be from 0 to 2", "temperature"),

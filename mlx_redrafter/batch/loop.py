@@ -67,22 +67,27 @@ class Batch:
     def add(self, key: object, prompt: list[int], *, max_tokens: int, sampling: Sampling = GREEDY,
             allocator: Allocator | None = None, cache: KVCache | None = None, history: list[int] = (),
             rng: Rng | None = None, length: int | None = None, logprobs: int | None = None,
-            score_prompt: bool = False) -> Record:
+            score_prompt: bool = False, prefilled: tuple[mx.array, mx.array] | None = None) -> Record:
         """Prefill `prompt` (after the `history` a passed one-row `cache` holds) and join the batch; returns the
         prefill's record (its one token). `length` caps this row's candidates (default: the batch's); with
         `logprobs` = k, every record of this row carries its tokens' log-probabilities and k alternatives each, and
-        with `score_prompt` too the prefill's record carries the prompt's (`Record.prompt_logprobs`). A row that
-        is done at once (eos first, max_tokens 1) joins too: remove it like any finished row."""
+        with `score_prompt` too the prefill's record carries the prompt's (`Record.prompt_logprobs`). With
+        `prefilled` = (logits, hidden state) at the prompt's last position, `cache` holds the prompt too already
+        (e.g. a copy of one prefill shared by several rows). A row that is done at once (eos first, max_tokens 1)
+        joins too: remove it like any finished row."""
         if not prompt:
             raise UserError("the prompt is empty: give at least one token")
         t = time.perf_counter()
         history = list(history)
         one = cache if cache is not None else self.model.make_cache(len(prompt) + 1)
-        if one.offset != len(history):
-            raise ValueError(f"the cache holds {one.offset} tokens but the history has {len(history)}")
+        held = len(history) + (len(prompt) if prefilled is not None else 0)
+        if one.offset != held:
+            raise ValueError(f"the cache holds {one.offset} tokens, not the {held} of the history (and prompt)")
         rng = rng if rng is not None or sampling.greedy else Rng(sampling.seed)
-        scored = score_prompt and logprobs is not None
-        if scored:
+        scored = score_prompt and logprobs is not None and prefilled is None
+        if prefilled is not None:
+            logits, h = prefilled
+        elif scored:
             logits, hidden = forward_chunked(self.model, one, mx.array([prompt]), all_hidden=True)
             logits, h = logits[:, -1], hidden[:, -1]
         else:

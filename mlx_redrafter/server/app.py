@@ -16,7 +16,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
 
@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_redrafter import api
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.logprobs import TokenLogprob
 from mlx_redrafter.options import DecodeOptions
 from mlx_redrafter.schema import shown
 from mlx_redrafter.server import protocol
@@ -86,17 +87,26 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
         if len(raw) > MAX_BODY:
             raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
         req = protocol.parse(_json(raw), kind, served, base)
-        ids = _encode(lm, req)
-        job = Job(ids, _fit(lm, req, len(ids)), req.stop, asyncio.get_running_loop(), score_prompt=req.echo)
-        scheduler.submit(job)
-        wire = protocol.Logprobs(req, lm.tokenizer) if req.options.logprobs is not None else None
+        prompts = _encode(lm, req)
+        if len(prompts) * req.n > scheduler.capacity:
+            raise ApiError(400, f"the request asks for {len(prompts) * req.n} completions but this server holds at "
+                                f"most {scheduler.capacity} at once (running and waiting): ask for fewer",
+                           "n" if req.n > 1 else "prompt")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, _choice_options(_fit(lm, req, len(ids)), k), req.stop, loop, score_prompt=req.echo,
+                    queue=queue, index=p * req.n + k)
+                for p, ids in enumerate(prompts) for k in range(req.n)]
+        scheduler.submit(*jobs)
+        choices = [_Choice(req, lm, p, ids[0]) for p, ids in enumerate(prompts) for _ in range(req.n)]
         if req.stream:
-            return StreamingResponse(_stream(req, job, wire, ids[0]), media_type="text/event-stream",
+            return StreamingResponse(_stream(req, jobs, choices), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return await _answer(request, req, job, wire, ids[0])
+            return await _answer(request, req, jobs, choices)
         finally:
-            job.cancel()  # a client that went away while waiting stops its request
+            for job in jobs:
+                job.cancel()  # a client that went away while waiting stops its request
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -156,28 +166,52 @@ def _json(raw: bytes) -> Any:
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
 
 
-def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[int]:
-    """Prompt ids (chat template or raw text), checked against the context and the draft mode's needs."""
+def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[list[int]]:
+    """Each prompt's ids (chat template or raw text), checked against the context and the draft mode's needs."""
     tok = lm.tokenizer
-    if req.prompt_ids is not None:
-        try:
-            ids = tok.check_ids(req.prompt_ids, "the prompt's token ids")
-        except UserError as e:
-            raise ApiError(400, str(e), "prompt") from None
-        req.prompt = tok.decode(ids)  # what `echo` sends back
     try:
-        if req.prompt_ids is None:
-            ids = tok.encode_chat(req.messages) if req.kind == "chat" else tok.encode(req.prompt)
         api.check_for_model(lm, req.options)  # e.g. a mode this server's drafter cannot serve: 400 now
     except UserError as e:
         raise ApiError(400, protocol.field_names(str(e))) from None
+    if req.kind == "chat":
+        return [_checked_length(lm, _user(tok.encode_chat, req.messages), "messages")]
+    out = []
+    for i, given in enumerate(req.prompt_ids):
+        if given is not None:
+            where = "the prompt's token ids" if len(req.prompt_ids) == 1 else f"prompt[{i}]'s token ids"
+            try:
+                ids = tok.check_ids(given, where)
+            except UserError as e:
+                raise ApiError(400, str(e), "prompt") from None
+            req.prompts[i] = tok.decode(ids)  # what `echo` sends back
+        else:
+            ids = _user(tok.encode, req.prompts[i])
+        out.append(_checked_length(lm, ids, "prompt"))
+    return out
+
+
+def _user(encode: Callable[[Any], list[int]], text: Any) -> list[int]:
+    """`encode(text)`, a 400 for what the tokenizer refuses."""
+    try:
+        return encode(text)
+    except UserError as e:
+        raise ApiError(400, protocol.field_names(str(e))) from None
+
+
+def _checked_length(lm: api.LoadedModel, ids: list[int], field: str) -> list[int]:
     ctx = lm.target.model.args.max_position_embeddings
     if not ids:
         raise ApiError(400, "the prompt is empty")
     if len(ids) >= ctx:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten it",
-                       "messages" if req.kind == "chat" else "prompt")
+        raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten it", field)
     return ids
+
+
+def _choice_options(options: DecodeOptions, k: int) -> DecodeOptions:
+    """The options of a prompt's k-th choice: a seeded request's choices draw from seed, seed + 1, ... (as vLLM
+    seeds a request's `n` samples), so that they differ and each is reproducible."""
+    seed = options.sampling.seed
+    return options if k == 0 or seed is None else options.updated(seed=(seed + k) % (1 << 63))
 
 
 def _fit(lm: api.LoadedModel, req: protocol.Request, prompt_tokens: int) -> DecodeOptions:
@@ -192,37 +226,56 @@ def _fit(lm: api.LoadedModel, req: protocol.Request, prompt_tokens: int) -> Deco
     return req.options.updated(max_tokens=min(asked, room))
 
 
-async def _answer(request: Request, req: protocol.Request, job: Job, wire: protocol.Logprobs | None,
-                  first: int) -> Response:
-    """The whole answer once the job is done (with its tokens' log-probabilities through `wire`; with `echo`, the
-    prompt's first, whose id is `first`, and the rest); an empty response if the client went away first (the
-    caller cancels the job)."""
-    text, finish, use, logprobs, scored = [req.prompt] if req.echo else [], "stop", {}, [], None
+class _Choice:
+    """What the HTTP side keeps of one choice while it arrives: its prompt (for `echo`) and the log-probabilities'
+    wire state."""
+
+    def __init__(self, req: protocol.Request, lm: api.LoadedModel, prompt: int, first: int):
+        self.prompt = req.prompts[prompt] if req.kind == "text" else ""
+        self.first = first  # the prompt's first token id
+        self.wire = protocol.Logprobs(req, lm.tokenizer) if req.options.logprobs is not None else None
+        self.text: list[str] = [self.prompt] if req.echo else []
+        self.logprobs: list[TokenLogprob] = []
+        self.scored: list[TokenLogprob] | None = None
+        self.ended: protocol.Ended | None = None
+        self.started = False  # a chunk of it was streamed
+
+    def answer(self, req: protocol.Request, index: int) -> dict[str, Any]:
+        """Its whole answer (with its tokens' log-probabilities; with `echo`, the prompt's first and the rest)."""
+        lp = None
+        if self.wire is not None:
+            lp = self.wire.wire(self.logprobs) if self.scored is None else protocol.joined(
+                self.wire.prompt(self.first, self.scored), self.wire.wire(self.logprobs))
+        return protocol.choice(req, index, "".join(self.text), self.ended.finish, lp)
+
+
+async def _answer(request: Request, req: protocol.Request, jobs: list[Job], choices: list[_Choice]) -> Response:
+    """The whole answer once every job is done; an empty response if the client went away first (the caller
+    cancels the jobs)."""
     last_check = [time.monotonic()]
-    while True:
-        ev = await _next_event(request, job, last_check)
+    left = len(jobs)
+    while left:
+        ev = await _next_event(request, jobs[0].queue, last_check)
         if ev is None:
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
+        c = choices[ev.choice]
         if ev.kind == "text":
-            text += [t for t, _ in ev.pieces]
-            logprobs += ev.logprobs
-            scored = ev.prompt_logprobs if ev.prompt_logprobs is not None else scored
+            c.text += [t for t, _ in ev.pieces]
+            c.logprobs += ev.logprobs
+            c.scored = ev.prompt_logprobs if ev.prompt_logprobs is not None else c.scored
         elif ev.kind == "done":
-            finish, use = ev.finish, ev.usage
-            break
+            c.ended = ev.ended
+            left -= 1
         else:
             raise ev.error
-    answer = None
-    if wire is not None:
-        answer = wire.wire(logprobs) if scored is None else protocol.joined(wire.prompt(first, scored),
-                                                                          wire.wire(logprobs))
-    return JSONResponse(protocol.completion(req, "".join(text), finish, use, answer))
+    return JSONResponse(protocol.completion(req, [c.answer(req, i) for i, c in enumerate(choices)],
+                                            protocol.usage([c.ended for c in choices], req.n)))
 
 
-async def _next_event(request: Request, job: Job, last_check: list[float]) -> Event | None:
-    """The job's next event, or None once the client has disconnected. The client is checked at least every
-    DISCONNECT_POLL_S, also while events keep arriving (`last_check` holds the time of the last check)."""
-    get = asyncio.ensure_future(job.queue.get())
+async def _next_event(request: Request, queue: asyncio.Queue[Event], last_check: list[float]) -> Event | None:
+    """The next event of a request's jobs, or None once the client has disconnected. The client is checked at
+    least every DISCONNECT_POLL_S, also while events keep arriving (`last_check` holds the time of the last check)."""
+    get = asyncio.ensure_future(queue.get())
     try:
         while True:
             done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
@@ -238,37 +291,41 @@ async def _next_event(request: Request, job: Job, last_check: list[float]) -> Ev
         get.cancel()
 
 
-async def _stream(req: protocol.Request, job: Job, wire: protocol.Logprobs | None,
-                  first_id: int) -> AsyncIterator[str]:
-    """Server-sent events: chunks as the scheduler decides tokens, then [DONE]; the job stops if the client goes.
-    With `wire`, an event's first chunk carries the log-probabilities of the tokens it came from (a chunk with no
-    text where a stop string holds the text back). With `echo`, the first chunk is the prompt (its first token's
-    id is `first_id`)."""
-    first = True
+async def _stream(req: protocol.Request, jobs: list[Job], choices: list[_Choice]) -> AsyncIterator[str]:
+    """Server-sent events: chunks as the scheduler decides tokens (each naming its choice's index), then, once
+    every choice is done, the usage (if asked) and [DONE]; the jobs stop if the client goes. With log-probabilities,
+    an event's first chunk carries those of the tokens it came from (a chunk with no text where a stop string holds
+    the text back). With `echo`, a choice's first chunk is its prompt."""
+    left = len(jobs)
     try:
-        while True:
-            ev: Event = await job.queue.get()
-            if req.echo and first and ev.kind != "error":  # the prompt, even before an answer that is only eos
-                scored = None if wire is None or ev.prompt_logprobs is None else wire.prompt(first_id,
-                                                                                             ev.prompt_logprobs)
-                yield _sse(protocol.chunk(req, req.prompt, origin={"origin": "prompt"}, logprobs=scored))
-                first = False
+        while left:
+            ev: Event = await jobs[0].queue.get()
+            i, c = ev.choice, choices[ev.choice]
+            if req.echo and not c.started and ev.kind != "error":  # the prompt, even before an answer of only eos
+                scored = None if c.wire is None or ev.prompt_logprobs is None else c.wire.prompt(c.first,
+                                                                                                 ev.prompt_logprobs)
+                yield _sse(protocol.chunk(req, c.prompt, origin={"origin": "prompt"}, logprobs=scored, index=i))
+                c.started = True
             if ev.kind == "text":
-                logprobs = None if wire is None or not ev.logprobs else wire.wire(ev.logprobs)
+                logprobs = None if c.wire is None or not ev.logprobs else c.wire.wire(ev.logprobs)
                 for text, origin in ev.pieces or [("", "target")]:
-                    yield _sse(protocol.chunk(req, text, origin={"origin": origin}, first=first, logprobs=logprobs))
-                    first, logprobs = False, None
+                    yield _sse(protocol.chunk(req, text, origin={"origin": origin}, first=not c.started,
+                                              logprobs=logprobs, index=i))
+                    c.started, logprobs = True, None
             elif ev.kind == "done":
-                yield _sse(protocol.chunk(req, "", finish=ev.finish, first=first))
-                if req.include_usage:
-                    yield _sse({**protocol.chunk(req, ""), "choices": [], "usage": ev.usage})
-                yield "data: [DONE]\n\n"
-                return
+                yield _sse(protocol.chunk(req, "", finish=ev.ended.finish, first=not c.started, index=i))
+                c.ended, c.started = ev.ended, True
+                left -= 1
             else:
                 yield _sse(ev.error.body())
                 return
+        if req.include_usage:
+            yield _sse({**protocol.chunk(req, ""), "choices": [],
+                        "usage": protocol.usage([c.ended for c in choices], req.n)})
+        yield "data: [DONE]\n\n"
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()
 
 
 def _sse(obj: dict[str, Any]) -> str:

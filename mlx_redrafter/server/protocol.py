@@ -30,6 +30,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 UNSUPPORTED = {"tools": None, "functions": None, "response_format": None, "suffix": None, "best_of": 1}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 MAX_STOPS = 4
+MAX_N = 128  # completions per prompt (OpenAI's bound)
 
 
 class ApiError(Exception):
@@ -51,8 +52,9 @@ class Request:
     kind: str  # chat | text
     model: str
     messages: list[dict[str, str]] = field(default_factory=list)
-    prompt: str = ""
-    prompt_ids: list[int] | None = None  # a completions prompt given as token ids (`prompt` is then their text)
+    prompts: list[str] = field(default_factory=list)  # completions: the prompts' texts (a batch of one or more)
+    prompt_ids: list[list[int] | None] = field(default_factory=list)  # per prompt: its token ids, if given as ids
+    n: int = 1  # completions per prompt; choice i answers prompt i // n
     options: DecodeOptions = field(default_factory=DecodeOptions)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -90,14 +92,11 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     for name, unused in UNSUPPORTED.items():
         if name in body and body[name] not in (unused, None):
             raise _bad(f"{name!r} is not supported by this server", name)
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise _bad(f"'n' must be 1 (one completion per request; got {n!r})", "n")
-    req = Request(kind=kind, model=served)
+    req = Request(kind=kind, model=served, n=_n(body.get("n")))
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
     else:
-        req.prompt, req.prompt_ids = _prompt(body.get("prompt"))
+        req.prompts, req.prompt_ids = _prompts(body.get("prompt"))
     req.stop = _stop(body.get("stop"))
     req.stream = _bool(body, "stream", False)
     req.echo = _bool(body, "echo", False)
@@ -162,18 +161,35 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def _prompt(prompt: Any) -> tuple[str, list[int] | None]:
-    """A completions prompt: one string, or one list of token ids (OpenAI's and vLLM's forms; a list holding one of
-    either is the same). Returns (text, None) or ("", ids); the ids are checked against the model by the caller."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        return "", prompt
-    if not isinstance(prompt, str):
-        raise _bad("'prompt' must be one string or one list of token ids", "prompt")
-    if not prompt.strip():
-        raise _bad("the prompt is empty", "prompt")
-    return _text(prompt, "'prompt'", "prompt"), None
+def _n(n: Any) -> int:
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise _bad(f"'n' must be an integer from 1 to {MAX_N} (got {n!r})", "n")
+    return n
+
+
+def _prompts(prompt: Any) -> tuple[list[str], list[list[int] | None]]:
+    """A completions prompt, as OpenAI and vLLM take it: a string, a list of token ids, or a non-empty list of
+    either (a batch of prompts). Returns each prompt's text ("" for ids) and ids (None for text); the ids are
+    checked against the model by the caller."""
+    many = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+        else [prompt]
+    texts: list[str] = []
+    ids: list[list[int] | None] = []
+    for i, p in enumerate(many):
+        where = "'prompt'" if len(many) == 1 else f"prompt[{i}]"
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            texts.append("")
+            ids.append(p)
+            continue
+        if not isinstance(p, str):
+            raise _bad("'prompt' must be a string, a list of token ids, or a list of either", "prompt")
+        if not p.strip():
+            raise _bad("the prompt is empty" if len(many) == 1 else f"{where} is empty", "prompt")
+        texts.append(_text(p, where, "prompt"))
+        ids.append(None)
+    return texts, ids
 
 
 def _stop(stop: Any) -> list[str]:
@@ -232,44 +248,74 @@ def field_names(message: str, aliases: dict[str, str] | None = None) -> str:
     return _FLAG.sub(field, message)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int, stats: Any, draft: str) -> dict[str, Any]:
-    """OpenAI's usage object, with what speculation did under 'redrafter'."""
+@dataclass
+class Ended:
+    """How one choice ended, with what usage reports of it."""
+
+    finish: str  # stop | length
+    prompt_tokens: int
+    completion_tokens: int
+    cached: int  # prompt tokens continued from a cached conversation
+    stats: Any  # generate.Stats
+    draft: str
+
+
+def usage(ended: list[Ended], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage object over a request's choices (`n` per prompt, a prompt counted once), with what
+    speculation did under 'redrafter' (over all choices: a target call that decided for several counts for each)."""
+    firsts = ended[::n]
+    prompt_tokens = sum(e.prompt_tokens for e in firsts)
+    completion_tokens = sum(e.completion_tokens for e in ended)
+    steps = sum(e.stats.steps for e in ended)
+    decided = sum(e.stats.decided_tokens for e in ended if e.stats.steps)
+    runs: dict[str, float] = {}
+    for e in ended:
+        for source, v in e.stats.source_runs.items():
+            runs[source] = runs.get(source, 0) + v
+    decode_s = sum(e.stats.decode_s for e in ended)
+    generated = sum(max(e.stats.generated_tokens - 1, 0) for e in ended)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
-            "redrafter": {"draft": draft, "tokens_per_call": round(stats.tokens_per_step, 4),
-                          "target_calls": stats.steps, "source_tokens_per_call": stats.source_tokens_per_step(),
-                          "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)}}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(e.cached for e in firsts)},
+            "redrafter": {"draft": ended[0].draft, "tokens_per_call": round(decided / steps, 4) if steps else 0.0,
+                          "target_calls": steps,
+                          "source_tokens_per_call": {k: round(1 + v / steps, 4) for k, v in runs.items()}
+                          if steps else {},
+                          "decode_tokens_per_s": round(generated / decode_s, 2) if decode_s > 0 else 0.0}}
 
 
 def chunk(req: Request, text: str, finish: str | None = None, origin: dict | None = None,
-          first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed chunk (chat.completion.chunk or text_completion); `logprobs` from `Logprobs.wire`."""
+          first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice `index` (chat.completion.chunk or text_completion); `logprobs` from
+    `Logprobs.wire`."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish is not None and not text:
             delta = {}
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
         obj = "chat.completion.chunk"
     else:
-        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}, "text_completion"
+        choice, obj = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}, "text_completion"
     out = {"id": _id(req), "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
     if origin is not None:
         out["redrafter"] = origin
     return out
 
 
-def completion(req: Request, text: str, finish: str, use: dict[str, Any],
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole answer (not streamed); `logprobs` from `Logprobs.wire`."""
+def choice(req: Request, index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a whole answer (not streamed); `logprobs` from `Logprobs.wire`."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": logprobs}
-        obj = "chat.completion"
-    else:
-        choice, obj = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}, "text_completion"
-    return {"id": _id(req), "object": obj, "created": req.created, "model": req.model, "choices": [choice],
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def completion(req: Request, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
+    """The whole answer (not streamed): its `choice`s and usage."""
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
+    return {"id": _id(req), "object": obj, "created": req.created, "model": req.model, "choices": choices,
             "usage": use}
 
 

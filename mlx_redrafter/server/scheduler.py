@@ -17,7 +17,8 @@ import asyncio
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+
+import mlx.core as mx
 
 from mlx_redrafter import api
 from mlx_redrafter.batch.budget import Budget, CostCurve
@@ -29,8 +30,9 @@ from mlx_redrafter.generate import Record, Stats
 from mlx_redrafter.logprobs import TokenLogprob
 from mlx_redrafter.models.tokenizer import StreamingDetokenizer
 from mlx_redrafter.options import MAX_CANDIDATE_LENGTH, DecodeOptions
-from mlx_redrafter.server.protocol import ApiError, usage
+from mlx_redrafter.server.protocol import ApiError, Ended
 from mlx_redrafter.server.stops import StopText
+from mlx_redrafter.step import prefill_logits
 
 
 @dataclass
@@ -41,24 +43,27 @@ class Event:
     pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, origin: target | draft:<source>)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this event's text came from
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after its first (`Job.score_prompt`)
-    finish: str = ""  # stop | length (done)
-    usage: dict[str, Any] = field(default_factory=dict)
+    ended: Ended | None = None  # done
     error: ApiError | None = None
+    choice: int = 0  # the index of the job that sent it (`Job.index`)
 
 
 class Job:
-    """One request on its way through the scheduler; its events arrive on the asyncio loop that made it."""
+    """One completion on its way through the scheduler (a request asks for one or more); its events arrive on
+    the asyncio loop that made it."""
 
     def __init__(self, ids: list[int], options: DecodeOptions, stop: list[str], loop: asyncio.AbstractEventLoop,
-                 score_prompt: bool = False):
+                 score_prompt: bool = False, queue: asyncio.Queue[Event] | None = None, index: int = 0):
         """`score_prompt`: the first event carries the log-probabilities of the prompt's own tokens (with
-        `options.logprobs`; the whole prompt is then prefilled, never continued from a cached conversation)."""
+        `options.logprobs`; the whole prompt is then prefilled, never continued from a cached conversation).
+        `queue`: where its events go (the jobs of one request share one), each marked with `index`."""
         self.ids, self.options, self.stop, self.score_prompt = ids, options, stop, score_prompt
-        self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.loop, self.index = loop, index
+        self.queue: asyncio.Queue[Event] = queue if queue is not None else asyncio.Queue()
         self.cancelled = threading.Event()
 
     def put(self, event: Event) -> None:
+        event.choice = self.index
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     def cancel(self) -> None:
@@ -99,14 +104,25 @@ class PromptCache:
 class _Running:
     """A job in the batch: its text, stop strings and statistics."""
 
-    def __init__(self, job: Job, lm: api.LoadedModel, keep: int):
-        self.job, self.keep = job, keep
+    def __init__(self, job: Job, lm: api.LoadedModel, cached: int):
+        self.job, self.cached = job, cached  # prompt tokens continued from a cached conversation
         self.detok = StreamingDetokenizer(lm.tokenizer)
         self.stops = StopText(job.stop)
         self.stats = Stats()
         self.tokens: list[int] = []
         self.draft = api.draft_mode(lm, job.options).name
         self.first: Record | None = None  # the prefill's record
+
+
+@dataclass
+class _Shared:
+    """A prompt prefilled once for several jobs: its cache (`keep` tokens of it continued from a cached
+    conversation), and the logits and hidden state at its last position."""
+
+    cache: KVCache
+    keep: int
+    logits: mx.array
+    h: mx.array
 
 
 class Scheduler:
@@ -134,13 +150,19 @@ class Scheduler:
             self.wake.notify()
         self.thread.join(timeout=30)
 
-    def submit(self, job: Job) -> None:
-        """Queue a job; beyond max_active running + max_queued waiting it is a 429 with Retry-After."""
+    @property
+    def capacity(self) -> int:
+        """Completions running and waiting at most."""
+        return self.max_active + self.max_queued
+
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs, all or none; beyond max_active running + max_queued waiting it is a 429 with Retry-After."""
         with self.wake:
-            if len(self.waiting) + self.admitting + len(self.active) >= self.max_active + self.max_queued:
-                raise ApiError(429, f"the server is busy ({len(self.active)} requests running, {len(self.waiting)} "
-                                    f"waiting): retry shortly", kind="rate_limit_error", headers={"Retry-After": "1"})
-            self.waiting.append(job)
+            if len(self.waiting) + self.admitting + len(self.active) + len(jobs) > self.capacity:
+                raise ApiError(429, f"the server is busy ({len(self.active)} completions running, "
+                                    f"{len(self.waiting)} waiting): retry shortly", kind="rate_limit_error",
+                               headers={"Retry-After": "1"})
+            self.waiting.extend(jobs)
             self.wake.notify()
 
     def load(self) -> dict[str, int]:
@@ -159,19 +181,41 @@ class Scheduler:
                 while self.waiting and len(self.active) + len(admitted) < self.max_active:
                     admitted.append(self.waiting.popleft())
                 self.admitting = len(admitted)
+            shared = self._shared_prompts(admitted)
             for job in admitted:
-                self._admit(job)
+                self._admit(job, shared)
             for run in list(self.active):
                 if run.job.cancelled.is_set():
                     self._finish(run, "", notify=False)
             self._step()
 
-    def _admit(self, job: Job) -> None:
+    def _shared_prompts(self, jobs: list[Job]) -> dict[tuple[int, ...], _Shared]:
+        """One prefill for each prompt that several of `jobs` start with (a request's `n` choices), continuing a
+        cached conversation where one shares it; each such job joins the batch with a copy of its cache."""
+        counts: dict[tuple[int, ...], int] = {}
+        for job in jobs:
+            if not (job.score_prompt and job.options.logprobs is not None):
+                counts[tuple(job.ids)] = counts.get(tuple(job.ids), 0) + 1
+        shared = {}
+        for ids, count in counts.items():
+            if count < 2:
+                continue
+            try:
+                cache, keep = self.prompts.take(list(ids))
+                cache = cache if cache is not None else self.lm.target.model.make_cache(len(ids) + 1)
+                logits, h = prefill_logits(self.lm.target.model, cache, list(ids[keep:]))
+                mx.eval(logits, h, *cache.state())
+            except Exception:  # the jobs prefill alone and meet the failure there
+                continue
+            shared[ids] = _Shared(cache, keep, logits, h)
+        return shared
+
+    def _admit(self, job: Job, shared: dict[tuple[int, ...], _Shared]) -> None:
         """Prefill a job into the batch (its first token is its first record)."""
         run = None
         try:
             if not job.cancelled.is_set():
-                run = self._start(job)
+                run = self._start(job, shared.get(tuple(job.ids)))
         except Exception as e:  # a failure of one request must not stop the others
             job.put(Event("error", error=_failure(e)))
         finally:
@@ -182,18 +226,22 @@ class Scheduler:
         if run is not None:
             self._after(run, run.first)
 
-    def _start(self, job: Job) -> _Running:
-        """The job joined to the batch, continuing a finished request's cache where it shares the prefix."""
+    def _start(self, job: Job, shared: _Shared | None) -> _Running:
+        """The job joined to the batch, continuing a finished request's cache where it shares the prefix, or a
+        copy of a prefill it shares with other jobs (`_shared_prompts`)."""
         o = job.options
         scored = job.score_prompt and o.logprobs is not None  # a cached prefix has no logits to score it with
-        cache, keep = (None, 0) if scored else self.prompts.take(job.ids)
+        if shared is not None:
+            cache, keep, prefilled = shared.cache.copy(), shared.keep, (shared.logits, shared.h)
+        else:
+            (cache, keep), prefilled = (None, 0) if scored else self.prompts.take(job.ids), None
         run = _Running(job, self.lm, keep)
         room = self.lm.target.model.args.max_position_embeddings - len(job.ids)
         allocator = api.make_allocator(self.lm, o)
         run.first = self.batch.add(run, job.ids[keep:], max_tokens=min(o.max_tokens, room), sampling=o.sampling,
                                    allocator=allocator, cache=cache, history=job.ids[:keep],
                                    length=o.shape.length if allocator is not None else 1, logprobs=o.logprobs,
-                                   score_prompt=scored)
+                                   score_prompt=scored, prefilled=prefilled)
         return run
 
     def _step(self) -> None:
@@ -238,8 +286,8 @@ class Scheduler:
         if cache is not None and held:
             self.prompts.put(held, cache)
         if notify:
-            run.job.put(Event("done", finish=finish, usage=usage(len(run.job.ids), len(run.tokens), run.keep,
-                                                                 run.stats, run.draft)))
+            run.job.put(Event("done", ended=Ended(finish, len(run.job.ids), len(run.tokens), run.cached, run.stats,
+                                                  run.draft)))
 
 
 def _failure(e: Exception) -> ApiError:
