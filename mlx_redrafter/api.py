@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from mlx_redrafter.batch.budget import CostCurve
 from mlx_redrafter.cache import KVCache
+from mlx_redrafter.constraint import Constraint
 from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.base import Allocator
 from mlx_redrafter.draft.half_weights import use_half_weights
@@ -179,6 +180,13 @@ def make_allocator(lm: LoadedModel, options: DecodeOptions) -> Allocator | None:
     return allocator_of_mode(draft_mode(lm, options), lm.target, lm.drafter, options)
 
 
+def make_constraint(lm: LoadedModel, options: DecodeOptions) -> Constraint | None:
+    """A new sequence's grammar for these options (`json_schema`; None without one)."""
+    if options.json_schema is None:
+        return None
+    return Constraint(options.json_schema, lm.tokenizer, lm.target.model.args.vocab_size)
+
+
 def decode(lm: LoadedModel, ids: list[int], options: DecodeOptions, *, cache: KVCache | None = None,
            history: list[int] = (), profile: bool = False) -> Iterator[Record]:
     """Decode prompt ids: one record per target call (generate.py); `profile=True` times every phase of a
@@ -189,12 +197,13 @@ def decode(lm: LoadedModel, ids: list[int], options: DecodeOptions, *, cache: KV
     max_tokens = min(options.max_tokens, room)
     check_for_model(lm, options)
     alloc = make_allocator(lm, options)
+    constraint = make_constraint(lm, options)
     if alloc is None:
         return generate_ar(model, ids, max_tokens=max_tokens, eos_ids=eos, sampling=options.sampling, cache=cache,
-                           history=list(history), logprobs=options.logprobs)
+                           history=list(history), logprobs=options.logprobs, constraint=constraint)
     return generate_speculative(model, ids, alloc, length=options.shape.length, max_tokens=max_tokens, eos_ids=eos,
                                 sampling=options.sampling, cache=cache, history=list(history), profile=profile,
-                                logprobs=options.logprobs)
+                                logprobs=options.logprobs, constraint=constraint)
 
 
 def stream_generate(lm: LoadedModel, prompt: str | list[int], options: DecodeOptions | None = None, *,
@@ -272,7 +281,7 @@ def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: Decod
                          eos_ids=lm.tokenizer.eos_ids, sampling=options.sampling,
                          allocator=lambda: make_allocator(lm, options), length=options.shape.length,
                          budget=Budget(options.shape.length, curve, copy_length=options.copy_length),
-                         logprobs=options.logprobs)
+                         logprobs=options.logprobs, constraint=lambda: make_constraint(lm, options))
     for index, r in records:
         yield index, Response(detoks[index].add(r.tokens), r.tokens, r)
         if r.stop:

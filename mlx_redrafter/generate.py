@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from mlx_redrafter.accept import truncate_at_eos
 from mlx_redrafter.cache import KVCache
+from mlx_redrafter.constraint import Constraint, advance, allowed_next
 from mlx_redrafter.draft.base import Allocator, DecodeState
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.logprobs import Pending, TokenLogprob
@@ -218,9 +219,10 @@ class _Run:
 
 def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_ids: list[int] = (),
                 sampling: Sampling = GREEDY, cache: KVCache | None = None, history: list[int] = (),
-                logprobs: int | None = None) -> Iterator[Record]:
-    """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does). With
-    `logprobs` = k, each token's log-probability and k alternatives come along (logprobs.py)."""
+                logprobs: int | None = None, constraint: Constraint | None = None) -> Iterator[Record]:
+    """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does), except
+    under a `constraint` (a grammar the answer follows: its mask needs the previous token). With `logprobs` = k,
+    each token's log-probability and k alternatives come along (logprobs.py)."""
     run = _Run(model, prompt, cache, list(history), 1, max_tokens, sampling, eos_ids)
     cache, rng = run.cache, run.rng
     recent = recent_tokens([*history, *prompt], sampling)
@@ -228,23 +230,26 @@ def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_i
     def step(token: mx.array) -> tuple[mx.array, Pending | None]:
         nonlocal recent
         recent = None if recent is None else slide(recent, token)  # the sequence now ends with `token`
-        return decide(ar_logits(model, cache, token), sampling, rng, logprobs, recent)
+        return decide(ar_logits(model, cache, token), sampling, rng, logprobs, recent, allowed_next(constraint))
 
     try:
         logits, _ = prefill_logits(model, cache, prompt)
-        g0, lp = decide(logits, sampling, rng, logprobs, recent)
+        g0, lp = decide(logits, sampling, rng, logprobs, recent, allowed_next(constraint))
         first = g0.item()
+        advance(constraint, [first])
         run.prefilled = True
         yield run.record([first], lp, prefill=len(prompt))
         run.resume()
         queued = None
         while not run.emit.done:
             g0, lp = queued if queued is not None else step(g0)
-            more = len(run.emit.emitted) + 1 < max_tokens
+            more = constraint is None and len(run.emit.emitted) + 1 < max_tokens
             queued = step(g0) if more else None
             ahead = (g0, lp) if queued is None else queued
             mx.async_eval(ahead[0], *(ahead[1].arrays() if ahead[1] else ()))
-            yield run.record([g0.item()], lp)
+            token = g0.item()
+            advance(constraint, [token])
+            yield run.record([token], lp)
             run.resume()
     finally:
         run.settle()
@@ -253,19 +258,22 @@ def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_i
 def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, *, length: int,
                          max_tokens: int = 256, eos_ids: list[int] = (), sampling: Sampling = GREEDY,
                          cache: KVCache | None = None, history: list[int] = (),
-                         profile: bool = False, logprobs: int | None = None) -> Iterator[Record]:
+                         profile: bool = False, logprobs: int | None = None,
+                         constraint: Constraint | None = None) -> Iterator[Record]:
     """Speculative decoding with the allocator's draft sources; candidates are `length` tokens (g0 included; a
     growing lookup copy may be longer). `profile=True` times every phase of a step honestly (`Record.phase_s`);
-    `logprobs` as in `generate_ar`."""
+    `logprobs` and `constraint` as in `generate_ar`."""
     run = _Run(model, prompt, cache, list(history), allocator.candidate_budget(length), max_tokens, sampling,
                eos_ids)
     cache, rng = run.cache, run.rng
     try:
         logits, h = prefill_logits(model, cache, prompt)
-        g0, lp = decide(logits, sampling, rng, logprobs, recent_tokens([*history, *prompt], sampling))
+        g0, lp = decide(logits, sampling, rng, logprobs, recent_tokens([*history, *prompt], sampling),
+                        allowed_next(constraint))
         first = g0.item()
+        advance(constraint, [first])
         run.prefilled = True
-        state = DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h)
+        state = DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h, constraint=constraint)
         for src in allocator.sources:
             src.start(state.tokens)
         yield run.record([first], lp, prefill=len(prompt))
@@ -273,6 +281,7 @@ def generate_speculative(model: Model, prompt: list[int], allocator: Allocator, 
         while not run.emit.done:
             r = speculative_step(model, cache, state, allocator.plan(), length, sampling, rng, profile, logprobs)
             state.tokens.extend(r.tokens)
+            advance(constraint, r.tokens)
             state.g0, state.h = r.g0, r.h
             for src in allocator.sources:
                 src.extend(r.tokens)

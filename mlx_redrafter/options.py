@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from mlx_redrafter.constraint import check_schema, schema_text
 from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_BEAM_LENGTH,
@@ -104,6 +105,7 @@ class DecodeOptions:
     max_tokens: int = 256
     adaptive: bool = True
     logprobs: int | None = None  # report each emitted token's log-probability and this many alternatives (logprobs.py)
+    json_schema: str | None = None  # a JSON schema (as JSON text) the answer must follow (constraint.py)
 
     @property
     def copy_length(self) -> int:
@@ -116,6 +118,8 @@ class DecodeOptions:
         _check_int(self.max_tokens, "--max-tokens", 1, 1 << 31)
         if self.logprobs is not None:
             _check_int(self.logprobs, "--logprobs", 0, MAX_TOP_LOGPROBS, " (alternatives listed per token)")
+        if self.json_schema is not None:
+            check_schema(self.json_schema)
         self.shape.check()
         self.lookup.check()
         self.drafter.check()
@@ -132,6 +136,8 @@ class DecodeOptions:
         for name, value in given.items():
             if name == "sampling":
                 top["sampling"] = value
+            elif name == "json_schema":  # a schema object or its JSON text
+                top["json_schema"] = schema_text(value)
             elif name in SAMPLING_FLAT:
                 groups.setdefault("sampling", {})[SAMPLING_FLAT[name]] = value
             else:
@@ -163,6 +169,7 @@ FLAT: dict[str, tuple[str | None, str]] = {
     "max_tokens": (None, "max_tokens"),
     "adaptive": (None, "adaptive"),
     "logprobs": (None, "logprobs"),
+    "json_schema": (None, "json_schema"),
 }
 # Sampling's fields, by the CLI's names and by their own.
 SAMPLING_FLAT = {"temp": "temperature", **{f.name: f.name for f in fields(Sampling)}}

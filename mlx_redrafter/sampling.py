@@ -186,12 +186,15 @@ def check_bias_ids(s: Sampling, vocab: int) -> None:
                         f"tokens")
 
 
-def adjust(logits: mx.array, s: Sampling, recent: mx.array | None = None, tree: Any = None) -> mx.array:
+def adjust(logits: mx.array, s: Sampling, recent: mx.array | None = None, tree: Any = None,
+           allowed: mx.array | None = None) -> mx.array:
     """(rows, V) logits as every choice reads them (`next_token`, `accept`): the logit bias added, then the penalties
-    on recent tokens (mlx-lm's order); as they are when neither is set. `recent` (the latest `s.recent_size`
-    tokens or more) and `tree` (one row per node) as in `penalties.penalize`; needed only with a penalty (lazy)."""
+    on recent tokens (mlx-lm's order), then the tokens a grammar forbids at -inf (`allowed`: (rows, V) bool,
+    constraint.py); as they are when none is set. `recent` (the latest `s.recent_size` tokens or more) and `tree`
+    (one row per node) as in `penalties.penalize`; needed only with a penalty (lazy)."""
     x = biased(logits, s)
-    return penalize(x.astype(mx.float32), s.penalties, recent, tree) if s.penalties else x
+    x = penalize(x.astype(mx.float32), s.penalties, recent, tree) if s.penalties else x
+    return x if allowed is None else mx.where(allowed, x, -mx.inf)
 
 
 def recent_tokens(tokens: list[int], s: Sampling) -> mx.array | None:

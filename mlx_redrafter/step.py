@@ -4,7 +4,8 @@
                        -> commit (cache.py)
 
 Every function works on one sequence and keeps MLX lazy: the speculative step syncs at its end, to read the
-accepted tokens, and after drafting where it has several candidates (to learn the packed tree's size).
+accepted tokens, after drafting where it has several candidates (to learn the packed tree's size), and under a grammar
+(constraint.py) to read the tree's tokens.
 """
 
 from __future__ import annotations
@@ -16,21 +17,23 @@ import mlx.core as mx
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.cache import KVCache
+from mlx_redrafter.constraint import Constraint
 from mlx_redrafter.draft.base import DecodeState, Slot, propose
 from mlx_redrafter.logprobs import Pending, along_path, pending
 from mlx_redrafter.model import Model, forward_chunked
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token, recent_tokens
-from mlx_redrafter.tree import verify_mask
+from mlx_redrafter.tree import PackedTree, verify_mask
 
 PHASES = ("draft", "pack", "verify", "accept", "commit")
 
 
 def decide(logits: mx.array, sampling: Sampling = GREEDY, rng: Rng | None = None,
-           logprobs: int | None = None, recent: mx.array | None = None) -> tuple[mx.array, Pending | None]:
+           logprobs: int | None = None, recent: mx.array | None = None,
+           allowed: mx.array | None = None) -> tuple[mx.array, Pending | None]:
     """The target's next token from its logits (1, V) (`sampling.adjust`ed; `recent`: the latest tokens of the
-    sequence, for penalties), and with `logprobs` = k that token's log-probability and k alternatives, the
-    target's own (logprobs.py) (lazy)."""
-    token = next_token(adjust(logits, sampling, recent), sampling, rng)
+    sequence, for penalties; `allowed`: what a grammar allows), and with `logprobs` = k that token's
+    log-probability and k alternatives, the target's own (logprobs.py) (lazy)."""
+    token = next_token(adjust(logits, sampling, recent, allowed=allowed), sampling, rng)
     return token, None if logprobs is None else pending(logits, token, logprobs)
 
 
@@ -99,12 +102,13 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
         # MLX's CPU backend keeps ~10 operations in flight, so there only its last few do)
         mx.async_eval(cands)
     tree = proposal.pack()  # pack (syncs once to learn the packed size, unless one candidate: a chain)
+    allowed = None if state.constraint is None else tree_allowed(state.constraint, tree)
     clock.lap("pack", tree.mask, tree.parent, unprofiled="draft")
     positions = (cache.offset + tree.depth)[None]  # verify
     logits, hidden = model(tree.tokens[None], cache, positions, verify_mask(tree.mask, cache.offset))
     clock.lap("verify", logits, hidden)
     recent = recent_tokens(state.tokens, sampling)  # accept
-    acc = accept(cands, tree, adjust(logits[0], sampling, recent, tree), sampling,
+    acc = accept(cands, tree, adjust(logits[0], sampling, recent, tree, allowed), sampling,
                  None if sampling.greedy else rng.next())
     h = hidden[0, acc.stop][None]
     drafted = tree.tokens[acc.path]
@@ -123,6 +127,13 @@ def speculative_step(model: Model, cache: KVCache, state: DecodeState, plan: lis
     return StepResult(tokens=tokens, g0=acc.next_token.astype(mx.int32), h=h, accepted=n, verified=tree.size,
                       candidates=sum(sizes), longest=max(sizes), runs=runs, source=source,
                       proposed=proposal.proposed(), seconds=clock.seconds, logprobs=lp)
+
+
+def tree_allowed(constraint: Constraint, tree: PackedTree) -> mx.array:
+    """(P, V) bool: what the grammar allows after each node of the tree (`Constraint.allowed_tree`; syncs to read
+    the tree's tokens)."""
+    mx.eval(tree.tokens, tree.parent)
+    return constraint.allowed_tree(tree.tokens.tolist(), tree.parent.tolist())
 
 
 class _Clock:

@@ -52,6 +52,8 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--logit-bias", "49152=1"], ["--logit-bias", "token id 49152", "vocabulary of 49152"]),
         (["-p", "hi", "--repetition-penalty", "-1"], ["--repetition-penalty", "from 0 to 10"]),
         (["-p", "hi", "--frequency-context-size", "0"], ["--frequency-context-size", "from 1 to 4096"]),
+        (["-p", "hi", "--json-schema", '{"type": "objec"}'], ["--json-schema", "not usable", "objec"]),
+        (["-p", "hi", "--json-schema", "/nonexistent/schema.json"], ["--json-schema file", "does not exist"]),
     ],
 )
 def test_bad_arguments(args, needles):

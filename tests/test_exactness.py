@@ -161,14 +161,20 @@ PENALTIES = {"repetition_penalty": 3.0, "repetition_context_size": 4, "presence_
              "frequency_penalty": 2.0, "frequency_context_size": 8}
 
 
-@pytest.mark.parametrize("adjust", ["logit_bias", "penalties"])
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "steps": {"type": "array",
+          "items": {"type": "string"}}}, "required": ["title", "steps"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("adjust", ["logit_bias", "penalties", "json_schema"])
 def test_adjusted_logits_are_exact_in_every_draft_mode_alone_and_batched(target, prompts, shipped, adjust):
-    """A logit bias or penalties on recent tokens change what every choice reads, greedy included (penalties: each
-    tree node by its own path): each draft mode decodes what AR decodes with the same settings, alone and batched."""
+    """A logit bias, penalties on recent tokens or a grammar change what every choice reads, greedy included
+    (penalties and the grammar: each tree node by its own path): each draft mode decodes what AR decodes with the
+    same settings, alone and batched."""
     lm = api.LoadedModel(target, shipped, "shipped")
-    prompt = prompts[0] if adjust == "logit_bias" else prompts[2]
+    prompt = prompts[0] if adjust != "penalties" else prompts[2]
     plain = api.generate(lm, prompt, max_tokens=MAX_TOKENS, draft="none").tokens
-    settings = {"logit_bias": {plain[1]: -100.0, plain[5]: 4.0}} if adjust == "logit_bias" else PENALTIES
+    settings = {"logit_bias": {"logit_bias": {plain[1]: -100.0, plain[5]: 4.0}}, "penalties": PENALTIES,
+                "json_schema": {"json_schema": SCHEMA}}[adjust]
     ar = api.generate(lm, prompt, max_tokens=MAX_TOKENS, draft="none", **settings).tokens
     assert ar != plain
     if adjust == "logit_bias":

@@ -114,6 +114,21 @@ def test_streaming_sends_the_same_text_with_origins_and_usage(server, client):
     assert "target" in origins and origins <= {"target", "draft:rnn", "draft:lookup", "draft:answers"}
 
 
+def test_response_format_makes_json_that_the_library_makes(client, lm):
+    schema = {"type": "object", "properties": {"colors": {"type": "array", "items": {"type": "string"},
+                                                          "maxItems": 3}}, "required": ["colors"]}
+    want = api.generate(lm, QUESTION, max_tokens=48, json_schema=schema).text
+    fmt = {"type": "json_schema", "json_schema": {"name": "colors", "schema": schema}}
+    res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=48, response_format=fmt)
+    assert res.choices[0].message.content == want and isinstance(json.loads(want)["colors"], list)
+    anything = client.chat.completions.create(model="smollm2-135m", messages=_chat("Say hi."), max_tokens=48,
+                                              response_format={"type": "json_object"}, temperature=0.8, seed=1)
+    assert anything.choices[0].message.content.lstrip().startswith("{")
+    plain = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=8,
+                                           response_format={"type": "text"})
+    assert plain.choices[0].message.content == api.generate(lm, QUESTION, max_tokens=8).text
+
+
 def test_completions_stop_strings_and_seeds(client):
     res = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4, 5,", max_tokens=20)
     assert res.choices[0].text.strip()
@@ -297,6 +312,11 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "seed": -5}, 400, "seed", "seed"),
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'", "stop"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "not supported", "tools"),
+    ({"messages": HI, "response_format": {"type": "xml"}}, 400, "response_format must be", "response_format"),
+    ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "needs \"json_schema\"", "response_format"),
+    ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
+     400, "the schema is not usable", "response_format"),
     ({"messages": HI, "logit_bias": {"five": 1}}, 400, "token id 'five' is not an integer", "logit_bias"),
     ({"messages": HI, "logit_bias": {"5": 500}}, 400, "from -100 to 100", "logit_bias"),
     ({"messages": HI, "logit_bias": [5, -100]}, 400, "not an (id, bias) pair", "logit_bias"),

@@ -27,6 +27,7 @@ from mlx_redrafter.batch.budget import Budget
 from mlx_redrafter.batch.cache import RowsCache
 from mlx_redrafter.batch.step import Row, ar_step, speculative_step
 from mlx_redrafter.cache import KVCache
+from mlx_redrafter.constraint import Constraint, advance, allowed_next
 from mlx_redrafter.draft.base import Allocator, DecodeState, drafting_kind, host_only, host_proposals
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Emitter, Record
@@ -67,14 +68,16 @@ class Batch:
     def add(self, key: object, prompt: list[int], *, max_tokens: int, sampling: Sampling = GREEDY,
             allocator: Allocator | None = None, cache: KVCache | None = None, history: list[int] = (),
             rng: Rng | None = None, length: int | None = None, logprobs: int | None = None,
-            score_prompt: bool = False, prefilled: tuple[mx.array, mx.array] | None = None) -> Record:
+            score_prompt: bool = False, prefilled: tuple[mx.array, mx.array] | None = None,
+            constraint: Constraint | None = None) -> Record:
         """Prefill `prompt` (after the `history` a passed one-row `cache` holds) and join the batch; returns the
         prefill's record (its one token). `length` caps this row's candidates (default: the batch's); with
         `logprobs` = k, every record of this row carries its tokens' log-probabilities and k alternatives each, and
         with `score_prompt` too the prefill's record carries the prompt's (`Record.prompt_logprobs`). With
         `prefilled` = (logits, hidden state) at the prompt's last position, `cache` holds the prompt too already
-        (e.g. a copy of one prefill shared by several rows). A row that is done at once (eos first, max_tokens 1)
-        joins too: remove it like any finished row."""
+        (e.g. a copy of one prefill shared by several rows). With a `constraint`, the row's tokens follow its
+        grammar (constraint.py). A row that is done at once (eos first, max_tokens 1) joins too: remove it like
+        any finished row."""
         if not prompt:
             raise UserError("the prompt is empty: give at least one token")
         t = time.perf_counter()
@@ -92,12 +95,15 @@ class Batch:
             logits, h = logits[:, -1], hidden[:, -1]
         else:
             logits, h = prefill_logits(self.model, one, prompt)
-        g0, lp = decide(logits, sampling, rng, logprobs, recent_tokens([*history, *prompt], sampling))
+        g0, lp = decide(logits, sampling, rng, logprobs, recent_tokens([*history, *prompt], sampling),
+                        allowed_next(constraint))
         mx.eval(g0, h, *one.state(), *(lp.arrays() if lp else ()))
         prompt_lps = of_prompt(self.model, hidden, prompt, logprobs) if scored else None
         first = g0.item()
+        advance(constraint, [first])
         seq = _Seq(key, Emitter(max_tokens, self.eos), sampling, rng,
-                   DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h), allocator,
+                   DecodeState(tokens=[*history, *prompt, first], g0=g0.astype(mx.int32), h=h,
+                               constraint=constraint), allocator,
                    len(history) + len(prompt), logprobs)
         tokens = seq.emit([first])
         self.cache.join(one)
@@ -157,6 +163,7 @@ class Batch:
                 s.state.g0, s.state.h = res.g0, res.h
         for i, (s, d) in enumerate(zip(seqs, decided)):
             s.state.tokens.extend(d)
+            advance(s.state.constraint, d)
             if s.allocator is not None:
                 for src in s.allocator.sources:
                     src.extend(d)
@@ -185,7 +192,7 @@ class Batch:
         """One plain step for every row: the token each decided, and its log-probabilities where asked for."""
         g0 = mx.concatenate([s.state.g0 for s in seqs])
         nxt, hidden, logits = ar_step(self.model, self.cache, g0, [s.sampling for s in seqs], [s.rng for s in seqs],
-                                      [s.state.tokens for s in seqs])
+                                      [s.state.tokens for s in seqs], [s.state.constraint for s in seqs])
         lps = [None if s.logprobs is None else pending(logits[r : r + 1], nxt[r : r + 1], s.logprobs)
                for r, s in enumerate(seqs)]
         mx.eval(nxt, hidden, *(a for lp in lps if lp for a in lp.arrays()))
@@ -198,10 +205,11 @@ class Batch:
 def generate_batch(model: Model, prompts: Iterable[list[int]], *, batch_size: int, max_tokens: int = 256,
                    eos_ids: Iterable[int] = (), sampling: Sampling = GREEDY,
                    allocator: Callable[[], Allocator | None] = lambda: None, length: int = 4,
-                   budget: Budget | None = None, logprobs: int | None = None) -> Iterator[tuple[int, Record]]:
+                   budget: Budget | None = None, logprobs: int | None = None,
+                   constraint: Callable[[], Constraint | None] = lambda: None) -> Iterator[tuple[int, Record]]:
     """Decode every prompt, `batch_size` at a time (see the module docstring). `allocator()` builds one row's
     draft sources (None: plain decoding); `length` is the longest candidate a row drafts (g0 included);
-    `logprobs` as in `Batch.add`."""
+    `logprobs` as in `Batch.add`; `constraint()` builds one row's grammar (None: none)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"--batch-size must be an integer >= 1 (got {batch_size!r})")
     pending = deque(enumerate(prompts))
@@ -211,7 +219,7 @@ def generate_batch(model: Model, prompts: Iterable[list[int]], *, batch_size: in
             index, prompt = pending.popleft()
             rng = None if sampling.greedy else Rng(None if sampling.seed is None else sampling.seed + index)
             yield index, batch.add(index, prompt, max_tokens=max_tokens, sampling=sampling, allocator=allocator(),
-                                   rng=rng, logprobs=logprobs)
+                                   rng=rng, logprobs=logprobs, constraint=constraint())
             if batch.done():
                 batch.remove(index)
         yield from batch.step()

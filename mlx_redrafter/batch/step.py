@@ -19,11 +19,12 @@ import mlx.core as mx
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.batch.cache import RowsCache
+from mlx_redrafter.constraint import Constraint, allowed_next
 from mlx_redrafter.draft.base import DecodeState, Proposal, Slot, propose_rows
 from mlx_redrafter.logprobs import along_path
 from mlx_redrafter.model import Model, Ragged
 from mlx_redrafter.sampling import GREEDY, Rng, Sampling, adjust, next_token, recent_tokens
-from mlx_redrafter.step import StepResult, decide
+from mlx_redrafter.step import StepResult, decide, tree_allowed
 
 
 @dataclass
@@ -42,19 +43,24 @@ class Row:
 
 
 def ar_step(model: Model, cache: RowsCache, tokens: mx.array, samplings: list[Sampling],
-            rngs: list[Rng | None], sequences: list[list[int]] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+            rngs: list[Rng | None], sequences: list[list[int]] | None = None,
+            constraints: list[Constraint | None] | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Feed one token per row (B,); return each row's next token (B,) under its own sampling settings, its
     hidden state there (B, H) (what a drafter conditions on) and the target's logits (B, V) (lazy). `sequences`:
-    each row's tokens so far, ending with the token fed (needed only by a row with penalties)."""
+    each row's tokens so far, ending with the token fed (needed only by a row with penalties); `constraints`:
+    each row's grammar, advanced over that token (or None)."""
+    constraints = constraints or [None] * len(samplings)
     B = cache.rows
     positions = mx.array(cache.lengths, dtype=mx.int32)[:, None]
     mask = mx.concatenate([cache.context_mask(), mx.ones((B, 1), dtype=mx.bool_)], axis=1)[:, None, None]
     logits, hidden = model(tokens[:, None], cache, positions, mask)
     cache.commit_rows(None, [1] * B)
-    if all(s.greedy and not s.logit_bias and not s.penalties for s in samplings):  # one argmax for every row
-        return next_token(logits[:, -1], GREEDY, None), hidden[:, -1], logits[:, -1]
-    return mx.concatenate([decide(logits[r : r + 1, -1], s, rng, recent=recent_tokens(sequences[r], s))[0]
-                           for r, (s, rng) in enumerate(zip(samplings, rngs))]), hidden[:, -1], logits[:, -1]
+    if all(s.greedy and not s.logit_bias and not s.penalties for s in samplings) and not any(constraints):
+        return next_token(logits[:, -1], GREEDY, None), hidden[:, -1], logits[:, -1]  # one argmax for every row
+    return mx.concatenate([decide(logits[r : r + 1, -1], s, rng, recent=recent_tokens(sequences[r], s),
+                                  allowed=allowed_next(c))[0]
+                           for r, (s, rng, c) in enumerate(zip(samplings, rngs, constraints))]), hidden[:, -1], \
+        logits[:, -1]
 
 
 def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
@@ -68,6 +74,8 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
     if not all(p.chain for p in proposals):
         mx.eval([p.candidates for p in proposals])  # one sync for every row's tree size
     trees = [p.pack() for p in proposals]  # pack
+    allowed = [None if r.state.constraint is None else tree_allowed(r.state.constraint, t)
+               for r, t in zip(rows, trees)]
     P = max(t.size for t in trees)
     B, ctx = len(rows), cache.offset
     pad = [P - t.size for t in trees]
@@ -86,10 +94,10 @@ def speculative_step(model: Model, cache: RowsCache, rows: list[Row],
         logits, hidden = logits.reshape(B * P, -1), hidden.reshape(B * P, -1)
     starts = ragged.starts if ragged is not None else [b * P for b in range(B)]
     outs = []
-    for row, p, t, s in zip(rows, proposals, trees, starts):  # accept
+    for row, p, t, s, a in zip(rows, proposals, trees, starts, allowed):  # accept
         key = None if row.sampling.greedy else row.rng.next()
         recent = recent_tokens(row.state.tokens, row.sampling)
-        acc = accept(p.candidates, t, adjust(logits[s : s + t.size], row.sampling, recent, t), row.sampling, key)
+        acc = accept(p.candidates, t, adjust(logits[s : s + t.size], row.sampling, recent, t, a), row.sampling, key)
         lens = mx.cumprod(p.candidates >= 0, axis=1).sum(axis=1)  # slots before each candidate's first PAD
         drafted = t.tokens[acc.path]
         lp = None if row.logprobs is None else along_path(logits[s : s + t.size], acc.path, drafted, acc.n,

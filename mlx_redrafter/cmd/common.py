@@ -157,6 +157,9 @@ DECODE_FLAGS: dict[str, tuple[Any, Any]] = {
         "Add a bias to tokens' logits before every choice, greedy included, as ID=BIAS,ID=BIAS (-100 bans a "
         "token, +100 all but forces it; exact under speculation) \\[none]."))),
     **_penalty_flags(),
+    "json_schema": (str | None, typer.Option(None, "--json-schema", help=(
+        "Structured output: the answer follows this JSON schema, given as JSON text or a file holding it "
+        "('{\"type\": \"object\"}': any JSON object; exact under speculation) \\[none]."))),
     "accept": (str | None, typer.Option(None, "--accept", help=(
         "Speculative acceptance at T > 0: exact (the target's distribution) or typical (Medusa's, faster, not "
         "exact) \\[exact]."))),

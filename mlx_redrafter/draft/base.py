@@ -17,7 +17,7 @@ This module imports nothing of the package but the packed tree (tree.py): every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -31,6 +31,7 @@ class DecodeState:
     tokens: list[int]  # every decided token (history + prompt + generated); the last one is g0
     g0: mx.array  # (1,) int32: the last decided token, not yet in the KV cache
     h: mx.array  # (1, H): the target's post-norm hidden state at the position before g0
+    constraint: Any = None  # a grammar the answer follows (constraint.Constraint), advanced over g0
 
 
 class DraftSource(Protocol):

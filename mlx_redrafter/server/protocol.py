@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_redrafter.constraint import response_format
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from mlx_redrafter.models.tokenizer import TextTokenizer
@@ -27,7 +28,7 @@ DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup",
 TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields that take a string
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 # Fields this server does not serve -> the value that means "not used".
-UNSUPPORTED = {"tools": None, "functions": None, "response_format": None, "suffix": None, "best_of": 1}
+UNSUPPORTED = {"tools": None, "functions": None, "suffix": None, "best_of": 1}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 MAX_STOPS = 4
 MAX_N = 128  # completions per prompt (OpenAI's bound)
@@ -109,7 +110,19 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
         req.include_usage = _bool(opts, "include_usage", False)
     req.options, req.max_tokens_field = _options(body, base)
     req.options = req.options.updated(logprobs=_logprobs(body, kind))
+    schema = _json_schema(body.get("response_format"))
+    if schema is not None:
+        req.options = _checked(req.options, {"json_schema": schema}, "response_format",
+                               {"json_schema": "response_format"})
     return req
+
+
+def _json_schema(value: Any) -> str | None:
+    """The JSON schema OpenAI's `response_format` asks the answer to follow (None: plain text)."""
+    try:
+        return response_format(value)
+    except UserError as e:
+        raise _bad(str(e), "response_format") from None
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

@@ -241,7 +241,8 @@ class Scheduler:
         run.first = self.batch.add(run, job.ids[keep:], max_tokens=min(o.max_tokens, room), sampling=o.sampling,
                                    allocator=allocator, cache=cache, history=job.ids[:keep],
                                    length=o.shape.length if allocator is not None else 1, logprobs=o.logprobs,
-                                   score_prompt=scored, prefilled=prefilled)
+                                   score_prompt=scored, prefilled=prefilled,
+                                   constraint=api.make_constraint(self.lm, o))
         return run
 
     def _step(self) -> None:
