@@ -55,7 +55,7 @@ def response_format(value: Any) -> str | None:
 
 
 def schema_text(schema: Any) -> str:
-    """A JSON schema (an object, its JSON text, or a file holding that) as canonical JSON text; a UserError if it
+    """A JSON schema (an object, its JSON text, or a file holding that) as JSON text; a UserError if it
     is none of them."""
     if isinstance(schema, str) and not schema.lstrip().startswith(("{", "[")):
         schema = read_json(Path(schema), "the --json-schema file")
@@ -68,7 +68,7 @@ def schema_text(schema: Any) -> str:
                             "one") from None
     if not isinstance(schema, dict):
         raise UserError(f"--json-schema must be a JSON schema object (got a JSON {json_type(schema)})")
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)  # in its own order: properties are generated in the order the schema lists them
 
 
 def check_schema(schema: str) -> None:

@@ -129,6 +129,34 @@ def test_response_format_makes_json_that_the_library_makes(client, lm):
     assert plain.choices[0].message.content == api.generate(lm, QUESTION, max_tokens=8).text
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city today.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+def test_tools_are_called_in_openais_format_streamed_or_not(client):
+    ask = _chat("What is the weather in Paris?")
+    res = client.chat.completions.create(model="smollm2-135m", messages=ask, tools=[WEATHER], tool_choice="required",
+                                         max_tokens=64)
+    choice = res.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=ask, tools=[WEATHER],
+                                                 tool_choice="required", max_tokens=64, stream=True))
+    calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    result = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+              {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C."}]
+    after = client.chat.completions.create(model="smollm2-135m", messages=result, tools=[WEATHER], max_tokens=64)
+    assert after.choices[0].message.tool_calls or after.choices[0].message.content  # auto: a call or an answer
+    plain = client.chat.completions.create(model="smollm2-135m", messages=ask, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=8)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
 def test_completions_stop_strings_and_seeds(client):
     res = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4, 5,", max_tokens=20)
     assert res.choices[0].text.strip()
@@ -311,7 +339,15 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "typical_delta": -1}, 400, "typical_delta must be", "typical_delta"),
     ({"messages": HI, "seed": -5}, 400, "seed", "seed"),
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'", "stop"),
-    ({"messages": HI, "tools": [{"type": "function"}]}, 400, "not supported", "tools"),
+    ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools[0] must be", "tools"),
+    ({"messages": HI, "tools": [WEATHER], "tool_choice": "sometimes"}, 400, "tool_choice must be", "tool_choice"),
+    ({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, 400,
+     "one of get_weather", "tool_choice"),
+    ({"messages": HI, "tool_choice": "required"}, 400, "has no 'tools'", "tool_choice"),
+    ({"messages": HI, "tools": [WEATHER, WEATHER]}, 400, "same name", "tools"),
+    ({"messages": HI, "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, "not both",
+     "response_format"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}, 400, "every call must be", "messages"),
     ({"messages": HI, "response_format": {"type": "xml"}}, 400, "response_format must be", "response_format"),
     ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "needs \"json_schema\"", "response_format"),

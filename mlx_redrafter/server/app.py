@@ -34,6 +34,7 @@ from mlx_redrafter.schema import shown
 from mlx_redrafter.server import protocol
 from mlx_redrafter.server.protocol import ApiError
 from mlx_redrafter.server.scheduler import Event, Job, Scheduler
+from mlx_redrafter.server.tools import template_messages
 
 MAX_BODY = 1 << 20  # bytes of a request body
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -174,7 +175,8 @@ def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[list[int]]:
     except UserError as e:
         raise ApiError(400, protocol.field_names(str(e))) from None
     if req.kind == "chat":
-        return [_checked_length(lm, _user(tok.encode_chat, req.messages), "messages")]
+        return [_checked_length(lm, _user(tok.encode_chat, template_messages(req.messages, req.tools)),
+                                "messages")]
     out = []
     for i, given in enumerate(req.prompt_ids):
         if given is not None:
@@ -306,14 +308,23 @@ async def _stream(req: protocol.Request, jobs: list[Job], choices: list[_Choice]
                                                                                                  ev.prompt_logprobs)
                 yield _sse(protocol.chunk(req, c.prompt, origin={"origin": "prompt"}, logprobs=scored, index=i))
                 c.started = True
-            if ev.kind == "text":
+            if ev.kind == "text" and req.tools is not None:  # the answer is JSON until it ends: sent then
+                c.text += [t for t, _ in ev.pieces]
+                c.logprobs += ev.logprobs
+            elif ev.kind == "text":
                 logprobs = None if c.wire is None or not ev.logprobs else c.wire.wire(ev.logprobs)
                 for text, origin in ev.pieces or [("", "target")]:
                     yield _sse(protocol.chunk(req, text, origin={"origin": origin}, first=not c.started,
                                               logprobs=logprobs, index=i))
                     c.started, logprobs = True, None
             elif ev.kind == "done":
-                yield _sse(protocol.chunk(req, "", finish=ev.ended.finish, first=not c.started, index=i))
+                finish = ev.ended.finish
+                if req.tools is not None:
+                    message, finish = protocol.answer_message(req, "".join(c.text), finish)
+                    logprobs = None if c.wire is None or not c.logprobs else c.wire.wire(c.logprobs)
+                    yield _sse(protocol.chunk(req, "", index=i, message=message, logprobs=logprobs))
+                    c.started = True
+                yield _sse(protocol.chunk(req, "", finish=finish, first=not c.started, index=i))
                 c.ended, c.started = ev.ended, True
                 left -= 1
             else:

@@ -6,18 +6,20 @@ the same one-line message, here as a 400 JSON error naming the field.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_redrafter.constraint import response_format
+from mlx_redrafter.constraint import response_format, schema_text
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from mlx_redrafter.models.tokenizer import TextTokenizer
 from mlx_redrafter.options import DecodeOptions
 from mlx_redrafter.schema import shown
+from mlx_redrafter.server.tools import Tools, parse_tools
 
 # Request fields that select how to decode, by their flat option names (draft modes, shapes, sampling).
 DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup", "lookup_max_length",
@@ -28,8 +30,8 @@ DECODE_FIELDS = ("draft", "beam_width", "beam_length", "lookup_width", "lookup",
 TEXT_FIELDS = ("draft", "lookup", "medusa_tree", "accept")  # decoding fields that take a string
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound (the CLI allows more)
 # Fields this server does not serve -> the value that means "not used".
-UNSUPPORTED = {"tools": None, "functions": None, "suffix": None, "best_of": 1}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
+UNSUPPORTED = {"functions": None, "suffix": None, "best_of": 1}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 4
 MAX_N = 128  # completions per prompt (OpenAI's bound)
 
@@ -52,7 +54,8 @@ class Request:
 
     kind: str  # chat | text
     model: str
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # checked (`_messages`), tool calls included
+    tools: Tools | None = None  # functions the answer may or must call (server/tools.py)
     prompts: list[str] = field(default_factory=list)  # completions: the prompts' texts (a batch of one or more)
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # per prompt: its token ids, if given as ids
     n: int = 1  # completions per prompt; choice i answers prompt i // n
@@ -111,6 +114,17 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     req.options, req.max_tokens_field = _options(body, base)
     req.options = req.options.updated(logprobs=_logprobs(body, kind))
     schema = _json_schema(body.get("response_format"))
+    if kind == "chat":
+        try:
+            req.tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+        except UserError as e:
+            raise _bad(str(e), "tools" if "tool_choice" not in str(e) else "tool_choice") from None
+        if req.tools is not None:
+            if schema is not None:
+                raise _bad("give 'tools' or a JSON 'response_format', not both", "response_format")
+            schema = schema_text(req.tools.schema())
+    elif body.get("tools") is not None:
+        raise _bad("'tools' is a field of chat completions, not of /v1/completions", "tools")
     if schema is not None:
         req.options = _checked(req.options, {"json_schema": schema}, "response_format",
                                {"json_schema": "response_format"})
@@ -152,14 +166,21 @@ def _bool(d: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """Checked chat messages: {role, content}, an assistant's `tool_calls` ({name, arguments}) and a tool result's
+    function `name` (found from its `tool_call_id`) where given."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
+    called: dict[str, str] = {}  # tool call id -> function name
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise _bad(f"messages[{i}] must be an object with a role of {', '.join(ROLES)}", "messages")
+        role = ROLES[m["role"]]
+        calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else []
         content = m.get("content")
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -168,9 +189,37 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": ROLES[m["role"]], "content": _text(content, f"messages[{i}].content", "messages")})
-    if not any(m["content"].strip() for m in out):
+        entry: dict[str, Any] = {"role": role, "content": _text(content, f"messages[{i}].content", "messages")}
+        if calls:
+            entry["tool_calls"] = calls
+            called.update((c["id"], c["name"]) for c in calls)
+        if role == "tool":
+            entry["name"] = called.get(m.get("tool_call_id"), m.get("name") if isinstance(m.get("name"), str) else "")
+        out.append(entry)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise _bad("the messages are empty", "messages")
+    return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` as {id, name, arguments} (arguments parsed where they are JSON)."""
+    if calls is None:
+        return []
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(f"{where} must be a list of {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                   "\"arguments\"}}}} objects", "messages")
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments", ""), str):
+            raise _bad(f"{where}: every call must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\": a "
+                       "string, \"arguments\": a JSON string}}}}", "messages")
+        try:
+            arguments = json.loads(f.get("arguments") or "{}")
+        except ValueError:
+            arguments = f["arguments"]
+        out.append({"id": str(c.get("id", "")), "name": f["name"], "arguments": arguments})
     return out
 
 
@@ -298,13 +347,17 @@ def usage(ended: list[Ended], n: int = 1) -> dict[str, Any]:
 
 
 def chunk(req: Request, text: str, finish: str | None = None, origin: dict | None = None,
-          first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+          first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0,
+          message: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index` (chat.completion.chunk or text_completion); `logprobs` from
-    `Logprobs.wire`."""
+    `Logprobs.wire`; `message`: a whole assistant message as the delta (`answer_message`)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish is not None and not text:
             delta = {}
+        if message is not None:
+            delta = {**message, "tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]} \
+                if message.get("tool_calls") else message
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
@@ -317,11 +370,20 @@ def chunk(req: Request, text: str, finish: str | None = None, origin: dict | Non
     return out
 
 
+def answer_message(req: Request, text: str, finish: str) -> tuple[dict[str, Any], str]:
+    """A chat answer's assistant message and finish reason: with tools, a tool call becomes `tool_calls`
+    (finish_reason "tool_calls") and a direct answer its text (server/tools.py)."""
+    if req.tools is None:
+        return {"role": "assistant", "content": text}, finish
+    message, reason = req.tools.message(text)
+    return message, reason or finish
+
+
 def choice(req: Request, index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One choice of a whole answer (not streamed); `logprobs` from `Logprobs.wire`."""
     if req.kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                "logprobs": logprobs}
+        message, finish = answer_message(req, text, finish)
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
