@@ -26,6 +26,9 @@ from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import json_type, read_json
 from mlx_redrafter.models.tokenizer import TextTokenizer
 
+# JSON as Python's json.dumps writes it: ", " and ": " between items and keys, no other whitespace. Free whitespace
+# lets a small model spend tokens on newlines and blank lines, and it keeps a key's separator from being forced.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SPECIAL = b"\xff"  # llguidance's marker of a special token's bytes (never matched as text)
 
 
@@ -94,6 +97,10 @@ class Constraint:
                 raise RuntimeError(f"internal error: token {t} was decided against the grammar "
                                    f"({self.matcher.get_error()})")
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (may be none)."""
+        return [] if self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
+
     def allowed(self) -> mx.array:
         """(1, V) bool: the tokens the grammar allows next."""
         return mx.array(self._mask()[None])
@@ -136,7 +143,7 @@ def advance(constraint: Constraint | None, tokens: Sequence[int]) -> None:
 def _grammar_text(schema: str) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
 
 
 def _grammar(schema: str) -> str:

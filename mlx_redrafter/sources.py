@@ -15,6 +15,7 @@ from typing import Any
 
 from mlx_redrafter.defaults import DEFAULT_DRAFTER_VOCAB
 from mlx_redrafter.draft.base import Allocator, Slot
+from mlx_redrafter.draft.grammar import GrammarSource
 from mlx_redrafter.draft.kinds import AnyDrafter
 from mlx_redrafter.draft.lookup import INDEXES, AnswerIndex, LookupSource
 from mlx_redrafter.draft.medusa import MedusaSource
@@ -104,6 +105,8 @@ def make_allocator(mode: Mode, target: Target, drafter: AnyDrafter | None, optio
         if slot is not None:
             slot.backs_up = backs_up
             slots.append(slot)
+    if options.json_schema is not None:  # what the grammar forces, beside the mode's own drafts
+        slots.insert(0, Slot(GrammarSource(), 1))
     return Allocator(slots, adaptive=options.adaptive)
 
 

@@ -62,3 +62,14 @@ def test_sampled_answers_are_the_json_their_schema_asks_for(target):
         r = api.generate(lm, "Is the sky blue? Answer in JSON.", max_tokens=24, temperature=1.0, seed=seed,
                          json_schema=FLAG)
         assert r.stats.stop_reason == "eos" and set(json.loads(r.text)) == {"ok"}, r.text
+
+
+def test_what_the_grammar_forces_is_drafted_and_verified_in_one_call(target):
+    drafter, name = api.resolve_drafter("default", target)
+    lm = api.LoadedModel(target, drafter, name)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    ar = api.generate(lm, "Where is the Eiffel Tower?", max_tokens=32, draft="none", json_schema=schema)
+    fast = api.generate(lm, "Where is the Eiffel Tower?", max_tokens=32, json_schema=schema)
+    assert fast.tokens == ar.tokens and set(json.loads(ar.text)) == {"city", "country"}
+    assert fast.stats.source_runs["grammar"] >= 3  # '{"city": "' and '", "country": "' came as forced drafts
