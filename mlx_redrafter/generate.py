@@ -220,17 +220,25 @@ class _Run:
 def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_ids: list[int] = (),
                 sampling: Sampling = GREEDY, cache: KVCache | None = None, history: list[int] = (),
                 logprobs: int | None = None, constraint: Constraint | None = None) -> Iterator[Record]:
-    """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does), except
-    under a `constraint` (a grammar the answer follows: its mask needs the previous token). With `logprobs` = k,
-    each token's log-probability and k alternatives come along (logprobs.py)."""
+    """Autoregressive decoding; each step is queued before the previous token is read (as mlx-lm does; under a
+    `constraint`, a grammar the answer follows, the step's forward is, and its choice waits for the grammar's mask
+    after the previous token). With `logprobs` = k, each token's log-probability and k alternatives come along
+    (logprobs.py)."""
     run = _Run(model, prompt, cache, list(history), 1, max_tokens, sampling, eos_ids)
     cache, rng = run.cache, run.rng
     recent = recent_tokens([*history, *prompt], sampling)
 
-    def step(token: mx.array) -> tuple[mx.array, Pending | None]:
+    def forward(token: mx.array) -> mx.array:
         nonlocal recent
         recent = None if recent is None else slide(recent, token)  # the sequence now ends with `token`
-        return decide(ar_logits(model, cache, token), sampling, rng, logprobs, recent, allowed_next(constraint))
+        return ar_logits(model, cache, token)
+
+    def choose(logits: mx.array) -> tuple[mx.array, Pending | None]:
+        return decide(logits, sampling, rng, logprobs, recent, allowed_next(constraint))
+
+    def step(token: mx.array) -> tuple[mx.array, Pending | None] | mx.array:
+        """What is queued ahead: the next choice, or under a grammar the logits it will read."""
+        return forward(token) if constraint is not None else choose(forward(token))
 
     try:
         logits, _ = prefill_logits(model, cache, prompt)
@@ -242,11 +250,15 @@ def generate_ar(model: Model, prompt: list[int], *, max_tokens: int = 256, eos_i
         run.resume()
         queued = None
         while not run.emit.done:
-            g0, lp = queued if queued is not None else step(g0)
-            more = constraint is None and len(run.emit.emitted) + 1 < max_tokens
+            ahead = queued if queued is not None else step(g0)
+            g0, lp = choose(ahead) if constraint is not None else ahead
+            more = len(run.emit.emitted) + 1 < max_tokens
             queued = step(g0) if more else None
-            ahead = (g0, lp) if queued is None else queued
-            mx.async_eval(ahead[0], *(ahead[1].arrays() if ahead[1] else ()))
+            if constraint is not None:
+                mx.async_eval(g0, *(lp.arrays() if lp else ()), *([] if queued is None else [queued]))
+            else:
+                ahead = (g0, lp) if queued is None else queued
+                mx.async_eval(ahead[0], *(ahead[1].arrays() if ahead[1] else ()))
             token = g0.item()
             advance(constraint, [token])
             yield run.record([token], lp)
