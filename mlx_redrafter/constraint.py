@@ -85,7 +85,7 @@ class Constraint:
     def __init__(self, schema: str, tokenizer: TextTokenizer, vocab_size: int):
         import llguidance
 
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_ids = vocab_size, list(tokenizer.eos_ids)
         self.matcher = llguidance.LLMatcher(_lltokenizer(tokenizer, vocab_size), _grammar(schema), log_level=0)
 
     def advance(self, tokens: Sequence[int]) -> None:
@@ -125,7 +125,10 @@ class Constraint:
 
     def _mask(self) -> np.ndarray:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        if not mask.any():  # the grammar is stuck (a parser limit reached): end the answer rather than sample nothing
+            mask[self.eos_ids] = True
+        return mask
 
 
 def allowed_next(constraint: Constraint | None) -> mx.array | None:
