@@ -116,7 +116,8 @@ def test_streaming_sends_the_same_text_with_origins_and_usage(server, client):
 
 def test_response_format_makes_json_that_the_library_makes(client, lm):
     schema = {"type": "object", "properties": {"colors": {"type": "array", "items": {"type": "string"},
-                                                          "maxItems": 3}}, "required": ["colors"]}
+                                                          "maxItems": 3}}, "required": ["colors"],
+              "additionalProperties": False}
     want = api.generate(lm, QUESTION, max_tokens=48, json_schema=schema).text
     fmt = {"type": "json_schema", "json_schema": {"name": "colors", "schema": schema}}
     res = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=48, response_format=fmt)
