@@ -6,7 +6,7 @@ with its own draft mode, sampling settings and candidate length, so a long answe
 new request joins between two steps without recomputing the others. A request whose client went away leaves at
 the next step. Finished requests leave their KV cache in a small LRU keyed by the tokens it holds, and a request
 that starts with the same tokens (the earlier turns of a conversation) continues from it: only the new tokens
-are prefilled.
+are prefilled. Jobs admitted together with one prompt (a request's `n` choices) share one prefill.
 
 The HTTP side never touches MLX: it hands a `Job` over and reads its events.
 """
