@@ -5,7 +5,8 @@ choice reads the target's logits with the tokens the grammar forbids at -inf (`s
 speculative decoding decide the same tokens under it: in a verified tree each node is masked by the grammar's state
 after its own path (`allowed_tree`), drafts the grammar forbids are never accepted, and the answer ends (eos) only
 where the grammar is complete. The masks are computed on the host, so a constrained step syncs once more (after
-drafting, to read the tree's tokens) and a constrained plain loop does not queue a step ahead.
+drafting, to read the tree's tokens) and a constrained plain loop queues its next forward but chooses only once the
+mask after the previous token is known. What the grammar forces next is drafted by `draft/grammar.py`.
 
 `response_format` takes OpenAI's forms: {"type": "text"} (no constraint), {"type": "json_object"} (any JSON
 object), {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}.
