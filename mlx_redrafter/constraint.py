@@ -163,14 +163,11 @@ def _grammar(schema: str) -> str:
     return grammar
 
 
-_TOKENIZERS: dict[int, Any] = {}
-
-
 def _lltokenizer(tokenizer: TextTokenizer, vocab_size: int) -> Any:
     """llguidance's view of the tokenizer: every token's bytes (special tokens marked), its eos ids (built once per
-    tokenizer: ~1 s)."""
-    key = id(tokenizer)
-    if key not in _TOKENIZERS:
+    tokenizer and vocabulary size, kept on the tokenizer: ~1 s)."""
+    key = ("llguidance", vocab_size)
+    if key not in tokenizer.views:
         import llguidance
 
         special = set(tokenizer.eos_ids) | _special_ids(tokenizer)
@@ -185,9 +182,9 @@ def _lltokenizer(tokenizer: TextTokenizer, vocab_size: int) -> Any:
             def __call__(self, text: bytes) -> list[int]:
                 return tokenizer.encode(text.decode("utf-8", errors="replace"))
 
-        _TOKENIZERS[key] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_View()), n_vocab=vocab_size,
+        tokenizer.views[key] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_View()), n_vocab=vocab_size,
                                                   eos_token=list(tokenizer.eos_ids) or None)
-    return _TOKENIZERS[key]
+    return tokenizer.views[key]
 
 
 def _special_ids(tokenizer: TextTokenizer) -> set[int]:

@@ -85,6 +85,7 @@ class TextTokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
         self.vocab_size = self.backend.vocab_size
         self.id_limit: int | None = None  # set by the loader: the model's vocabulary (rows of its embedding)
+        self.views: dict[Any, Any] = {}  # what other libraries make of this tokenizer, built once (constraint.py)
 
     @property
     def kind(self) -> str:
