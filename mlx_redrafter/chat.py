@@ -16,7 +16,7 @@ the context, the oldest turns are dropped (`Turn.dropped_turns`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlx_redrafter import api
@@ -83,6 +83,14 @@ class ChatSession:
         options.check()
         mode = api.draft_mode(self.lm, options)
         self.options, self.mode = options, mode
+
+    def set_json_schema(self, schema: Any) -> None:
+        """Make the next answers follow this JSON schema (an object, its JSON text or a file; None: free text)."""
+        if schema is None:
+            options = replace(self.options, json_schema=None)
+            self.options, self.mode = options, api.draft_mode(self.lm, options)
+        else:
+            self.set_options(json_schema=schema)
 
     def set_system(self, system: str | None) -> None:
         """Use this system prompt (None: the template's own) and start a new conversation."""

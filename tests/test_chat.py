@@ -1,6 +1,7 @@
 """Chat: a real session through a pseudo-terminal, and ChatSession's KV-cache reuse, interruption and context
 overflow on the embedded model (greedy, short answers)."""
 
+import json
 import os
 import re
 import signal
@@ -222,3 +223,19 @@ def test_a_refused_option_leaves_the_session_as_it_was(lm):
     assert session.options.shape.length != 1 and session.options.max_tokens == 7
     session.set_options(draft="lookup", temperature=0.5)
     assert session.mode.name == "lookup" and session.options.sampling.temperature == 0.5
+
+
+def test_set_json_schema_takes_the_rest_of_the_line_and_none_clears_it(lm):
+    from mlx_redrafter.cmd.chat import _set
+
+    session = ChatSession(lm, api.decode_options(max_tokens=24))
+    shown = _set(session, 'json-schema {"type": "object", "properties": {"wet": {"type": "boolean"}}, '
+                          '"required": ["wet"]}')
+    assert "[answers follow the JSON schema]" in shown and "json-schema=on" in shown
+    answer = json.loads("".join(session.send("Is water wet?")))
+    assert set(answer) == {"wet"} and isinstance(answer["wet"], bool)
+    with pytest.raises(UserError, match="--json-schema"):
+        _set(session, "json-schema {not json")
+    assert session.options.json_schema is not None  # a refused schema leaves the one in use
+    assert "answers in free text" in _set(session, "json-schema none") and session.options.json_schema is None
+    assert "json-schema=on" not in _set(session, "")

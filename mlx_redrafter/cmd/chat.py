@@ -25,7 +25,8 @@ HELP = """commands:
   /set NAME VALUE
            change a decoding option for the next answers, by its flag's name: /set temp 0.7, /set draft lookup,
            /set beam-length 5, /set max-tokens 200, /set seed 3; /set system TEXT starts a new conversation with
-           that system prompt; /set alone shows the settings and the names
+           that system prompt; /set json-schema FILE|JSON makes answers follow a JSON schema (none: free text
+           again); /set alone shows the settings and the names
   /help    this help
   /quit    quit (also: empty line, Ctrl-D, Ctrl-C at the prompt)
 Ctrl-C while an answer streams stops that answer; the conversation goes on."""
@@ -73,6 +74,10 @@ def _set(session, args: str) -> str:
     if key == "system":
         session.set_system(value or None)
         return "[system prompt set; new conversation]" if value else "[the template's system prompt; new conversation]"
+    if key == "json_schema" and value:  # the rest of the line: a file, or JSON text with spaces
+        off = value.lower() in ("none", "off")
+        session.set_json_schema(None if off else value)
+        return f"[{'answers in free text' if off else 'answers follow the JSON schema'}] {_settings(session)}"
     if key not in SETTABLE:
         raise UserError(f"/set {name}: unknown option; /set alone lists the names")
     if not value or " " in value:
@@ -98,7 +103,8 @@ def _settings(session) -> str:
     shape = c.shape_text(s)
     sampling = " ".join(f"{k}={v}" for k, v in o.sampling.as_dict().items())
     system = "the template's" if session.system is None else repr(session.system[:40])
-    return f"draft={s['draft']}{shape} {sampling} max-tokens={o.max_tokens} system: {system}"
+    schema = " json-schema=on" if o.json_schema is not None else ""
+    return f"draft={s['draft']}{shape} {sampling} max-tokens={o.max_tokens}{schema} system: {system}"
 
 
 def _answer(session, line: str) -> bool:
