@@ -20,6 +20,7 @@ from mlx_redrafter import api
 from mlx_redrafter.options import DecodeOptions
 from mlx_redrafter.server.protocol import ApiError
 from mlx_redrafter.server.scheduler import Job, Scheduler
+from mlx_redrafter.server.tools import parse_tools, template_messages
 
 KEY = "sk-test-key"
 QUESTION = "Name three primary colors."
@@ -157,6 +158,26 @@ def test_tools_are_called_in_openais_format_streamed_or_not(client):
                                            max_tokens=8)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
+
+def test_parallel_tool_calls_come_back_as_one_call_each(client, lm):
+    ask = _chat("What is the weather in Paris and in London?")
+    res = client.chat.completions.create(model="smollm2-135m", messages=ask, tools=[WEATHER], tool_choice="required",
+                                         parallel_tool_calls=True, max_tokens=96)
+    choice = res.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    assert len({call.id for call in choice.message.tool_calls}) == len(choice.message.tool_calls)
+    tools = parse_tools([WEATHER], "required", True)  # the library under the same schema writes the same calls
+    ids = lm.tokenizer.encode_chat(template_messages(ask, tools))
+    want = api.generate(lm, ids, max_tokens=96, json_schema=tools.schema()).text
+    assert [c.function.arguments for c in choice.message.tool_calls] == \
+        [json.dumps(c["arguments"]) for c in json.loads(want)["tool_calls"]]
+    results = [{"role": "tool", "tool_call_id": c.id, "content": "Sunny."} for c in choice.message.tool_calls]
+    after = client.chat.completions.create(
+        model="smollm2-135m", messages=[*ask, choice.message.model_dump(exclude_none=True), *results],
+        tools=[WEATHER], parallel_tool_calls=True, max_tokens=32)
+    assert after.choices[0].message.tool_calls or after.choices[0].message.content
 
 def test_completions_stop_strings_and_seeds(client):
     res = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4, 5,", max_tokens=20)
@@ -345,6 +366,8 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, 400,
      "one of get_weather", "tool_choice"),
     ({"messages": HI, "tool_choice": "required"}, 400, "has no 'tools'", "tool_choice"),
+    ({"messages": HI, "tools": [WEATHER], "parallel_tool_calls": "yes"}, 400, "must be true or false",
+     "parallel_tool_calls"),
     ({"messages": HI, "tools": [WEATHER, WEATHER]}, 400, "same name", "tools"),
     ({"messages": HI, "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, "not both",
      "response_format"),
@@ -426,6 +449,28 @@ def test_routes_and_keys(server):
     page = httpx.get(f"{server}/")
     assert page.status_code == 200 and "Token origin" in page.text and "/v1/chat/completions" in page.text
 
+
+def test_tokenize_counts_what_the_completion_routes_prefill_and_detokenize_inverts_it(server, client, lm):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = lm.tokenizer
+    chat = httpx.post(f"{server}/tokenize", json={"model": "smollm2-135m", "messages": _chat()}, headers=auth).json()
+    assert chat["tokens"] == tok.encode_chat(_chat()) and chat["count"] == len(chat["tokens"])
+    assert chat["max_model_len"] == lm.target.model.args.max_position_embeddings
+    used = client.chat.completions.create(model="smollm2-135m", messages=_chat(), max_tokens=1).usage
+    assert used.prompt_tokens == chat["count"]
+    text = httpx.post(f"{server}/tokenize", json={"prompt": "Hello there", "return_token_strs": True},
+                      headers=auth).json()
+    assert text["tokens"] == tok.encode("Hello there") and len(text["token_strs"]) == text["count"]
+    back = httpx.post(f"{server}/detokenize", json={"tokens": text["tokens"]}, headers=auth).json()
+    assert back == {"prompt": "Hello there"}
+    for route, body, param in [("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": _chat()}, "prompt"),
+                               ("tokenize", {"prompt": 3}, "prompt"), ("detokenize", {"tokens": "1 2"}, "tokens"),
+                               ("detokenize", {"tokens": [10 ** 9]}, "tokens"), ("detokenize", {"tokens": [True]},
+                                                                                 "tokens")]:
+        r = httpx.post(f"{server}/{route}", json=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "a", "model": "gpt-17"}, headers=auth).status_code == 404
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "a"}).status_code == 401
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
 

@@ -6,6 +6,8 @@
     GET  /v1/models/{id}        the served model by its id (404 for any other)
     POST /v1/chat/completions   chat (stream or not)
     POST /v1/completions        raw text (stream or not)
+    POST /tokenize              token ids of a prompt or a chat, as the completions routes would see them
+    POST /detokenize            text of token ids
 
 Every failure is OpenAI's JSON error object with its status; nothing here touches MLX (the scheduler does).
 """
@@ -37,6 +39,7 @@ from mlx_redrafter.server.scheduler import Event, Job, Scheduler
 from mlx_redrafter.server.tools import template_messages
 
 MAX_BODY = 1 << 20  # bytes of a request body
+GATED = ("/v1/", "/tokenize", "/detokenize")  # the routes an --api-key guards (the page and /health stay open)
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -84,10 +87,7 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
         return resources.files("mlx_redrafter.server").joinpath("page.html").read_text(encoding="utf-8")
 
     async def complete(request: Request, kind: str) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
-        req = protocol.parse(_json(raw), kind, served, base)
+        req = protocol.parse(await _body(request), kind, served, base)
         prompts = _encode(lm, req)
         if len(prompts) * req.n > scheduler.capacity:
             raise ApiError(400, f"the request asks for {len(prompts) * req.n} completions but this server holds at "
@@ -117,12 +117,36 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
     async def completions(request: Request) -> Response:
         return await complete(request, "text")
 
+    ctx = lm.target.model.args.max_position_embeddings
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = protocol.parse_tokenize(await _body(request), served)
+        tok = lm.tokenizer
+        if req.messages is not None:
+            ids = _user(tok.encode_chat, template_messages(req.messages, req.tools))
+        else:
+            ids = _user(tok.encode, req.prompt)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": ctx, "tokens": ids}
+        if req.token_strs:
+            out["token_strs"] = [tok.backend.id_to_token(i) for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        ids = protocol.parse_detokenize(await _body(request), served)
+        try:
+            ids = lm.tokenizer.check_ids(ids, "'tokens'")
+        except UserError as e:
+            raise ApiError(400, str(e), "tokens") from None
+        return {"prompt": lm.tokenizer.decode(ids)}
+
     return app
 
 
 class _Gate:
-    """Refuses a request before its route runs: a body over MAX_BODY (413), a missing or wrong API key on /v1/
-    (401). Plain ASGI, so that a route still sees its client disconnect (`Request.is_disconnected`)."""
+    """Refuses a request before its route runs: a body over MAX_BODY (413), a missing or wrong API key on a GATED
+    route (401). Plain ASGI, so that a route still sees its client disconnect (`Request.is_disconnected`)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None):
         self.app, self.api_key = app, api_key
@@ -140,7 +164,7 @@ def _refusal(headers: Headers, path: str, api_key: str | None) -> ApiError | Non
     size = headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
         return ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
-    if api_key and path.startswith("/v1/") and not _authorized(headers.get("authorization"), api_key):
+    if api_key and path.startswith(GATED) and not _authorized(headers.get("authorization"), api_key):
         return ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", kind="authentication_error")
     return None
 
@@ -157,8 +181,12 @@ def _authorized(header: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode("utf-8", "surrogateescape"))
 
 
-def _json(raw: bytes) -> Any:
-    """The parsed request body; a 400 for anything that is not JSON (or nests too deeply to parse)."""
+async def _body(request: Request) -> Any:
+    """The parsed request body; a 413 for one over MAX_BODY (sent without a length), a 400 for anything that is not
+    JSON (or nests too deeply to parse)."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
     try:
         return json.loads(raw)
     except RecursionError:

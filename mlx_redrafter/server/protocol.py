@@ -85,14 +85,7 @@ def _text(value: str, where: str, param: str) -> str:
 def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     """Check a /v1/chat/completions (kind 'chat') or /v1/completions ('text') body against what this server
     serves; `base` holds the server's own decoding defaults. Raises ApiError."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = body.get("model", served)
-    if not isinstance(model, str):
-        raise _bad("'model' must be a string", "model")
-    if model not in (served, "default"):
-        raise ApiError(404, f"model {shown(model)} is not served here; this server serves {served!r}", "model",
-                       "not_found_error")
+    _check_body(body, served)
     for name, unused in UNSUPPORTED.items():
         if name in body and body[name] not in (unused, None):
             raise _bad(f"{name!r} is not supported by this server", name)
@@ -115,10 +108,7 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     req.options = req.options.updated(logprobs=_logprobs(body, kind))
     schema = _json_schema(body.get("response_format"))
     if kind == "chat":
-        try:
-            req.tools = parse_tools(body.get("tools"), body.get("tool_choice"))
-        except UserError as e:
-            raise _bad(str(e), "tools" if "tool_choice" not in str(e) else "tool_choice") from None
+        req.tools = _tools(body)
         if req.tools is not None:
             if schema is not None:
                 raise _bad("give 'tools' or a JSON 'response_format', not both", "response_format")
@@ -129,6 +119,59 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
         req.options = _checked(req.options, {"json_schema": schema}, "response_format",
                                {"json_schema": "response_format"})
     return req
+
+
+def _check_body(body: Any, served: str) -> None:
+    """A 400 unless the body is a JSON object, a 404 if its `model` is not the one served here."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model", served)
+    if not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    if model not in (served, "default"):
+        raise ApiError(404, f"model {shown(model)} is not served here; this server serves {served!r}", "model",
+                       "not_found_error")
+
+
+def _tools(body: dict) -> Tools | None:
+    try:
+        return parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except UserError as e:
+        raise _bad(str(e), next((f for f in ("tool_choice", "parallel_tool_calls") if f in str(e)), "tools")) from None
+
+
+@dataclass
+class TokenizeRequest:
+    """What /tokenize counts: a chat (as a chat completion's prompt) or raw text (as a completion's)."""
+
+    messages: list[dict[str, Any]] | None
+    tools: Tools | None
+    prompt: str | None
+    token_strs: bool
+
+
+def parse_tokenize(body: Any, served: str) -> TokenizeRequest:
+    """Check a /tokenize body (vLLM's: `prompt` or `messages`, with `tools`, `return_token_strs`)."""
+    _check_body(body, served)
+    has_messages, has_prompt = body.get("messages") is not None, body.get("prompt") is not None
+    if has_messages == has_prompt:
+        raise _bad("give 'prompt' (text, tokenized as /v1/completions does) or 'messages' (a chat, tokenized as "
+                   "/v1/chat/completions does), one of the two", "prompt")
+    strs = _bool(body, "return_token_strs", False)
+    if has_messages:
+        return TokenizeRequest(_messages(body["messages"]), _tools(body), None, strs)
+    if not isinstance(body["prompt"], str):
+        raise _bad("'prompt' must be a string", "prompt")
+    return TokenizeRequest(None, None, _text(body["prompt"], "'prompt'", "prompt"), strs)
+
+
+def parse_detokenize(body: Any, served: str) -> list[int]:
+    """The token ids of a /detokenize body (`tokens`; checked against the model by the caller)."""
+    _check_body(body, served)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise _bad("'tokens' must be a list of token ids (integers)", "tokens")
+    return tokens
 
 
 def _json_schema(value: Any) -> str | None:

@@ -2,8 +2,9 @@
 enforces (llama.cpp's generic tool format).
 
 The tools are described to the model in the system message, and the answer is constrained (constraint.py) to
-`{"tool_call": {"name": ..., "arguments": {...}}}` (the arguments follow that function's `parameters` schema) or,
-with `tool_choice` "auto", `{"response": "text"}`. The server turns a tool call into the assistant message's
+`{"tool_call": {"name": ..., "arguments": {...}}}` (the arguments follow that function's `parameters` schema), with
+`parallel_tool_calls` to `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` (one call or more), or, with
+`tool_choice` "auto", to `{"response": "text"}`. The server turns the calls into the assistant message's
 `tool_calls` (finish_reason "tool_calls") and a response into its `content`. Earlier turns go back to the template
 in the same format: an assistant message's `tool_calls` as the JSON the model wrote, a `tool` message (a result)
 as a user message holding `{"tool_response": {"name": ..., "content": ...}}`.
@@ -28,6 +29,7 @@ class Tools:
 
     functions: list[dict[str, Any]]  # {"name", "description", "parameters"}
     choice: str  # auto | required | the name of the one function to call
+    parallel: bool = False  # several calls in one answer (`parallel_tool_calls`)
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema the answer follows."""
@@ -35,9 +37,10 @@ class Tools:
             return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
                     "required": ["name", "arguments"], "additionalProperties": False}
 
-        offered = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
-        calls = {"type": "object", "properties": {"tool_call": {"anyOf": [call(f) for f in offered]}},
-                 "required": ["tool_call"], "additionalProperties": False}
+        offered = {"anyOf": [call(f) for f in self.functions if self.choice in ("auto", "required", f["name"])]}
+        key, value = ("tool_calls", {"type": "array", "items": offered, "minItems": 1}) if self.parallel \
+            else ("tool_call", offered)
+        calls = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
         if self.choice != "auto":
             return calls
         text = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
@@ -48,12 +51,13 @@ class Tools:
         """What the system message tells the model about the tools and the answer's format."""
         listed = json.dumps([{"name": f["name"], "description": f["description"], "parameters": f["parameters"]}
                              for f in self.functions], ensure_ascii=False)
-        how = {"auto": 'To call a tool, answer {"tool_call": {"name": "<tool name>", "arguments": {...}}}; to answer '
-                       'directly, answer {"response": "<your answer>"}.',
-               "required": 'Call a tool: answer {"tool_call": {"name": "<tool name>", "arguments": {...}}}.'}
-        return (f"You can use these tools: {listed}\n"
-                + how.get(self.choice, f'Call the tool {self.choice}: answer {{"tool_call": {{"name": '
-                                       f'"{self.choice}", "arguments": {{...}}}}}}.'))
+        name = "<tool name>" if self.choice in ("auto", "required") else self.choice
+        one = f'{{"name": "{name}", "arguments": {{...}}}}'
+        form = f'{{"tool_calls": [{one}, ...]}}' if self.parallel else f'{{"tool_call": {one}}}'
+        to_call = "To call tools" if self.parallel else "To call a tool"
+        how = {"auto": f'{to_call}, answer {form}; to answer directly, answer {{"response": "<your answer>"}}.',
+               "required": f"{to_call}, answer {form}."}
+        return f"You can use these tools: {listed}\n" + how.get(self.choice, f"Call the tool {name}: answer {form}.")
 
     def message(self, text: str) -> tuple[dict[str, Any], str | None]:
         """The assistant message of an answer's text, and the finish reason it implies (None: the caller's)."""
@@ -61,20 +65,24 @@ class Tools:
             value = json.loads(text)
         except ValueError:  # cut before the JSON ended (max_tokens)
             return {"role": "assistant", "content": text}, None
-        if isinstance(value, dict) and isinstance(value.get("tool_call"), dict):
-            call = value["tool_call"]
+        calls = value.get("tool_calls") if self.parallel and isinstance(value, dict) else \
+            [value["tool_call"]] if isinstance(value, dict) and "tool_call" in value else None
+        if isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls):
             return {"role": "assistant", "content": None, "tool_calls": [{
                 "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                "function": {"name": call.get("name"), "arguments": json.dumps(call.get("arguments"),
-                                                                              ensure_ascii=False)}}]}, "tool_calls"
+                "function": {"name": c.get("name"), "arguments": json.dumps(c.get("arguments"), ensure_ascii=False)}}
+                for c in calls]}, "tool_calls"
         if isinstance(value, dict) and isinstance(value.get("response"), str):
             return {"role": "assistant", "content": value["response"]}, None
         return {"role": "assistant", "content": text}, None
 
 
-def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
-    """A request's `tools` and `tool_choice` (OpenAI's forms); None when no tool may be called. A UserError names
-    what is wrong."""
+def parse_tools(tools: Any, tool_choice: Any, parallel: Any = None) -> Tools | None:
+    """A request's `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's forms; one call per answer unless
+    `parallel` is true, as llama.cpp's server answers); None when no tool may be called. A UserError names what is
+    wrong."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise UserError(f"parallel_tool_calls must be true or false (got {parallel!r})")
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
             raise UserError("tool_choice asks for a tool call but the request has no 'tools'")
@@ -110,7 +118,7 @@ def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         raise UserError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                         "\"function\": {\"name\": ...}}")
-    return None if choice == "none" else Tools(functions, choice)
+    return None if choice == "none" else Tools(functions, choice, bool(parallel))
 
 
 def template_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list[dict[str, str]]:
@@ -122,8 +130,9 @@ def template_messages(messages: list[dict[str, Any]], tools: Tools | None) -> li
             out.append({"role": "user", "content": json.dumps(
                 {"tool_response": {"name": m.get("name", ""), "content": m["content"]}}, ensure_ascii=False)})
         elif m.get("tool_calls"):
-            calls = [{"tool_call": {"name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]]
-            text = "\n".join(json.dumps(c, ensure_ascii=False) for c in calls)
+            calls = [{"name": c["name"], "arguments": c["arguments"]} for c in m["tool_calls"]]
+            text = json.dumps({"tool_calls": calls}, ensure_ascii=False) if tools is not None and tools.parallel \
+                else "\n".join(json.dumps({"tool_call": c}, ensure_ascii=False) for c in calls)
             out.append({"role": "assistant", "content": text})
         else:
             out.append({"role": m["role"], "content": m["content"]})
