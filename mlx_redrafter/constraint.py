@@ -61,6 +61,8 @@ def response_format(value: Any) -> str | None:
 def schema_text(schema: Any) -> str:
     """A JSON schema (an object, its JSON text, or a file holding that) as JSON text; a UserError if it
     is none of them."""
+    if isinstance(schema, str) and not schema.strip():
+        raise UserError("--json-schema is empty: give a JSON schema object (as JSON text) or a file holding one")
     if isinstance(schema, str) and not schema.lstrip().startswith(("{", "[")):
         schema = read_json(Path(schema), "the --json-schema file")
     if isinstance(schema, str):
@@ -159,8 +161,17 @@ def _grammar(schema: str) -> str:
         raise UserError(f"--json-schema: the schema is not usable ({e})") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
-        raise UserError(f"--json-schema: the schema is not usable ({error.splitlines()[0]})")
+        raise UserError(f"--json-schema: the schema is not usable ({_first_line(error)})")
     return grammar
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error on one line: its first line, with the cause where that line only introduces it (a regex
+    error: "regex parse error:", the pattern, a caret, then "error: ...")."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    if lines[0].endswith(":") and lines[-1].startswith("error:"):
+        return f"{lines[0]} {lines[-1].removeprefix('error:').strip()} in {lines[1]!r}"
+    return lines[0]
 
 
 def _lltokenizer(tokenizer: TextTokenizer, vocab_size: int) -> Any:

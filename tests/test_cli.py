@@ -54,6 +54,8 @@ def wrong_drafters(tmp_path_factory):
         (["-p", "hi", "--frequency-context-size", "0"], ["--frequency-context-size", "from 1 to 4096"]),
         (["-p", "hi", "--json-schema", '{"type": "objec"}'], ["--json-schema", "not usable", "objec"]),
         (["-p", "hi", "--json-schema", "/nonexistent/schema.json"], ["--json-schema file", "does not exist"]),
+        (["-p", "hi", "--json-schema", " "], ["--json-schema is empty"]),
+        (["-p", "hi", "--json-schema", '{"type": "string", "pattern": "(("}'], ["regex", "unclosed group", "'(('"]),
     ],
 )
 def test_bad_arguments(args, needles):
