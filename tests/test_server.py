@@ -569,3 +569,15 @@ def test_an_endpoint_answer_without_content_skips_its_prompt(target, tmp_path):
         remote.shutdown()
     entries = corpus.entries.values()
     assert sum(e["sequences"] for e in entries) == 1 and sum(e["skipped_prompts"] for e in entries) == 1
+
+
+def test_a_text_response_format_lifts_the_servers_default_schema():
+    from mlx_redrafter.server import protocol
+
+    base = DecodeOptions().updated(json_schema={"type": "object"})
+    body = {"messages": _chat()}
+    assert protocol.parse(body, "chat", "m", base).options.json_schema == base.json_schema
+    text = protocol.parse({**body, "response_format": {"type": "text"}}, "chat", "m", base)
+    assert text.options.json_schema is None
+    tools = protocol.parse({**body, "tools": [WEATHER]}, "chat", "m", base)
+    assert "tool_call" in tools.options.json_schema

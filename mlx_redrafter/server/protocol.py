@@ -10,7 +10,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_redrafter.constraint import response_format, schema_text
@@ -118,6 +118,8 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
     if schema is not None:
         req.options = _checked(req.options, {"json_schema": schema}, "response_format",
                                {"json_schema": "response_format"})
+    elif body.get("response_format") is not None:  # {"type": "text"} asks for free text, whatever serve's default
+        req.options = replace(req.options, json_schema=None)
     return req
 
 
