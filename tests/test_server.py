@@ -159,6 +159,16 @@ def test_tools_are_called_in_openais_format_streamed_or_not(client):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
+def test_a_direct_answer_beside_tools_streams_its_text_as_it_is_written(client):
+    kwargs = {"model": "smollm2-135m", "messages": _chat("Say hello to me in one sentence."), "tools": [WEATHER],
+              "max_tokens": 40}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.message.tool_calls is None and whole.message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(texts) == whole.message.content and len(texts) > 1  # in pieces, not whole at the end
+    assert '"response"' not in "".join(texts) and chunks[-1].choices[0].finish_reason == whole.finish_reason
+
 def test_parallel_tool_calls_come_back_as_one_call_each(client, lm):
     ask = _chat("What is the weather in Paris and in London?")
     res = client.chat.completions.create(model="smollm2-135m", messages=ask, tools=[WEATHER], tool_choice="required",
@@ -581,3 +591,19 @@ def test_a_text_response_format_lifts_the_servers_default_schema():
     assert text.options.json_schema is None
     tools = protocol.parse({**body, "tools": [WEATHER]}, "chat", "m", base)
     assert "tool_call" in tools.options.json_schema
+
+
+@pytest.mark.parametrize("text", ["plain", 'a "quote", a \\ and\na line\tand tab', "é ü 😀 \u2028", ""])
+def test_a_reply_decodes_its_json_string_whatever_pieces_it_arrives_in(text):
+    from mlx_redrafter.server.tools import Reply
+
+    for ascii_only in (False, True):
+        raw = json.dumps({"response": text}, ensure_ascii=ascii_only)
+        for size in (1, 2, 3, 5):
+            reply = Reply()
+            got = "".join(reply.feed(raw[k : k + size]) for k in range(0, len(raw), size))
+            assert got == reply.text == text and reply.ended
+    cut = Reply()
+    cut.feed('{"response": "caf\\u00')  # an escape cut by max_tokens waits for its rest
+    assert cut.text == "caf" and not cut.ended
+    assert Reply().feed('{"tool_call": {"name": "x"') == ""

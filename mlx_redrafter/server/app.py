@@ -36,7 +36,7 @@ from mlx_redrafter.schema import shown
 from mlx_redrafter.server import protocol
 from mlx_redrafter.server.protocol import ApiError
 from mlx_redrafter.server.scheduler import Event, Job, Scheduler
-from mlx_redrafter.server.tools import template_messages
+from mlx_redrafter.server.tools import Reply, template_messages
 
 MAX_BODY = 1 << 20  # bytes of a request body
 GATED = ("/v1/", "/tokenize", "/detokenize")  # the routes an --api-key guards (the page and /health stay open)
@@ -269,6 +269,7 @@ class _Choice:
         self.scored: list[TokenLogprob] | None = None
         self.ended: protocol.Ended | None = None
         self.started = False  # a chunk of it was streamed
+        self.reply = Reply() if req.tools is not None else None  # with tools: a direct answer's text as it comes
 
     def answer(self, req: protocol.Request, index: int) -> dict[str, Any]:
         """Its whole answer (with its tokens' log-probabilities; with `echo`, the prompt's first and the rest)."""
@@ -336,9 +337,14 @@ async def _stream(req: protocol.Request, jobs: list[Job], choices: list[_Choice]
                                                                                                  ev.prompt_logprobs)
                 yield _sse(protocol.chunk(req, c.prompt, origin={"origin": "prompt"}, logprobs=scored, index=i))
                 c.started = True
-            if ev.kind == "text" and req.tools is not None:  # the answer is JSON until it ends: sent then
+            if ev.kind == "text" and c.reply is not None:  # JSON: a direct answer's text streams, a call comes whole
                 c.text += [t for t, _ in ev.pieces]
                 c.logprobs += ev.logprobs
+                piece = c.reply.feed("".join(t for t, _ in ev.pieces))
+                if piece:
+                    yield _sse(protocol.chunk(req, piece, origin={"origin": ev.pieces[-1][1]}, first=not c.started,
+                                              index=i))
+                    c.started = True
             elif ev.kind == "text":
                 logprobs = None if c.wire is None or not ev.logprobs else c.wire.wire(ev.logprobs)
                 for text, origin in ev.pieces or [("", "target")]:
@@ -347,10 +353,15 @@ async def _stream(req: protocol.Request, jobs: list[Job], choices: list[_Choice]
                     c.started, logprobs = True, None
             elif ev.kind == "done":
                 finish = ev.ended.finish
-                if req.tools is not None:
+                if c.reply is not None:
                     message, finish = protocol.answer_message(req, "".join(c.text), finish)
                     logprobs = None if c.wire is None or not c.logprobs else c.wire.wire(c.logprobs)
-                    yield _sse(protocol.chunk(req, "", index=i, message=message, logprobs=logprobs))
+                    if c.reply.began:  # its text has streamed: what is left of it, and the log-probabilities
+                        rest = message["content"][len(c.reply.text):]
+                        if rest or logprobs is not None:
+                            yield _sse(protocol.chunk(req, rest, first=not c.started, index=i, logprobs=logprobs))
+                    else:
+                        yield _sse(protocol.chunk(req, "", index=i, message=message, logprobs=logprobs))
                     c.started = True
                 yield _sse(protocol.chunk(req, "", finish=finish, first=not c.started, index=i))
                 c.ended, c.started = ev.ended, True

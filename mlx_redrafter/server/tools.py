@@ -5,7 +5,8 @@ The tools are described to the model in the system message, and the answer is co
 `{"tool_call": {"name": ..., "arguments": {...}}}` (the arguments follow that function's `parameters` schema), with
 `parallel_tool_calls` to `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` (one call or more), or, with
 `tool_choice` "auto", to `{"response": "text"}`. The server turns the calls into the assistant message's
-`tool_calls` (finish_reason "tool_calls") and a response into its `content`. Earlier turns go back to the template
+`tool_calls` (finish_reason "tool_calls") and a response into its `content` (streamed as it is written: `Reply`).
+Earlier turns go back to the template
 in the same format: an assistant message's `tool_calls` as the JSON the model wrote, a `tool` message (a result)
 as a user message holding `{"tool_response": {"name": ..., "content": ...}}`.
 """
@@ -63,8 +64,10 @@ class Tools:
         """The assistant message of an answer's text, and the finish reason it implies (None: the caller's)."""
         try:
             value = json.loads(text)
-        except ValueError:  # cut before the JSON ended (max_tokens)
-            return {"role": "assistant", "content": text}, None
+        except ValueError:  # cut before the JSON ended (max_tokens): a response's text so far, or the text as is
+            reply = Reply()
+            reply.feed(text)
+            return {"role": "assistant", "content": reply.text if reply.began else text}, None
         calls = value.get("tool_calls") if self.parallel and isinstance(value, dict) else \
             [value["tool_call"]] if isinstance(value, dict) and "tool_call" in value else None
         if isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls):
@@ -75,6 +78,62 @@ class Tools:
         if isinstance(value, dict) and isinstance(value.get("response"), str):
             return {"role": "assistant", "content": value["response"]}, None
         return {"role": "assistant", "content": text}, None
+
+
+class Reply:
+    """The text of a direct answer (`{"response": "..."}`) as it arrives, decoded from its JSON string, so that it
+    streams as it is written (a tool call is sent whole once it ends). The grammar makes the answer valid JSON
+    written as `json.dumps` writes it, so a direct answer starts with exactly `START`."""
+
+    START = '{"response": "'
+    ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"'}
+
+    def __init__(self) -> None:
+        self.raw = ""  # the answer's JSON text so far
+        self.pos = 0  # characters of the string's JSON body decoded so far
+        self.text = ""  # the response decoded so far
+        self.ended = False  # the string's closing quote came
+
+    @property
+    def began(self) -> bool:
+        return self.raw.startswith(self.START)
+
+    def feed(self, piece: str) -> str:
+        """Take the next piece of the answer's text; returns the response text it completes ("" for none)."""
+        self.raw += piece
+        if not self.began or self.ended:
+            return ""
+        body, i, out = self.raw[len(self.START):], self.pos, []
+        while i < len(body):
+            ch = body[i]
+            if ch == '"':
+                self.ended = True
+                break
+            if ch != "\\":
+                out.append(ch)
+                i += 1
+                continue
+            if i + 1 >= len(body):
+                break  # an escape cut in two: wait for its rest
+            if body[i + 1] != "u":
+                out.append(self.ESCAPES.get(body[i + 1], body[i + 1]))
+                i += 2
+                continue
+            if i + 6 > len(body):
+                break
+            code = int(body[i + 2 : i + 6], 16)
+            if 0xD800 <= code < 0xDC00:  # a surrogate pair: \uD83D\uDE00
+                if i + 12 > len(body):
+                    break
+                low = int(body[i + 8 : i + 12], 16) if body[i + 6 : i + 8] == "\\u" else -1
+                if 0xDC00 <= low < 0xE000:
+                    code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)
+                    i += 6
+            out.append("\ufffd" if 0xD800 <= code < 0xE000 else chr(code))  # a lone surrogate: not text
+            i += 6
+        self.pos = i
+        self.text += "".join(out)
+        return "".join(out)
 
 
 def parse_tools(tools: Any, tool_choice: Any, parallel: Any = None) -> Tools | None:
