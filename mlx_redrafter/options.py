@@ -106,6 +106,7 @@ class DecodeOptions:
     adaptive: bool = True
     logprobs: int | None = None  # report each emitted token's log-probability and this many alternatives (logprobs.py)
     json_schema: str | None = None  # a JSON schema (as JSON text) the answer must follow (constraint.py)
+    prediction: str | None = None  # text the answer is expected to repeat largely, drafted from (PredictionIndex)
 
     @property
     def copy_length(self) -> int:
@@ -120,6 +121,8 @@ class DecodeOptions:
             _check_int(self.logprobs, "--logprobs", 0, MAX_TOP_LOGPROBS, " (alternatives listed per token)")
         if self.json_schema is not None:
             check_schema(self.json_schema)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise UserError(f"--prediction must be text (got {type(self.prediction).__name__})")
         self.shape.check()
         self.lookup.check()
         self.drafter.check()
@@ -170,6 +173,7 @@ FLAT: dict[str, tuple[str | None, str]] = {
     "adaptive": (None, "adaptive"),
     "logprobs": (None, "logprobs"),
     "json_schema": (None, "json_schema"),
+    "prediction": (None, "prediction"),
 }
 # Sampling's fields, by the CLI's names and by their own.
 SAMPLING_FLAT = {"temp": "temperature", **{f.name: f.name for f in fields(Sampling)}}

@@ -3,7 +3,8 @@ reports; and a mode's allocator, built from its row of `draft.modes.MODES`.
 
     rnn       ReDrafter beams (draft/redrafter.py)          lookup    copies from the context (draft/lookup.py)
     medusa    a Medusa static tree (draft/medusa.py)        answers   copies from the answer table (draft/lookup.py)
-    semi_ar   semi-AR drafter beams (draft/semi_ar.py)
+    semi_ar   semi-AR drafter beams (draft/semi_ar.py)      and, in every mode, where the options give them:
+    grammar   what a JSON schema forces (draft/grammar.py)  prediction  copies from a predicted output (lookup.py)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mlx_redrafter.defaults import DEFAULT_DRAFTER_VOCAB
 from mlx_redrafter.draft.base import Allocator, Slot
 from mlx_redrafter.draft.grammar import GrammarSource
 from mlx_redrafter.draft.kinds import AnyDrafter
-from mlx_redrafter.draft.lookup import INDEXES, AnswerIndex, LookupSource
+from mlx_redrafter.draft.lookup import INDEXES, AnswerIndex, LookupSource, PredictionIndex
 from mlx_redrafter.draft.medusa import MedusaSource
 from mlx_redrafter.draft.modes import Mode
 from mlx_redrafter.draft.redrafter import RnnSource
@@ -105,6 +106,9 @@ def make_allocator(mode: Mode, target: Target, drafter: AnyDrafter | None, optio
         if slot is not None:
             slot.backs_up = backs_up
             slots.append(slot)
+    if options.prediction:  # copies from the predicted output, beside the mode's own drafts
+        ids = target.tokenizer.encode(options.prediction)
+        slots.insert(0, Slot(LookupSource(partial(PredictionIndex, ids), "prediction", options.copy_length), 1))
     if options.json_schema is not None:  # what the grammar forces, beside the mode's own drafts
         slots.insert(0, Slot(GrammarSource(), 1))
     return Allocator(slots, adaptive=options.adaptive)

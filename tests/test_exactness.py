@@ -187,6 +187,23 @@ def test_adjusted_logits_are_exact_in_every_draft_mode_alone_and_batched(target,
         assert batch[0].tokens == ar, draft
 
 
+def test_a_predicted_output_is_copied_where_the_answer_follows_it_and_changes_nothing(target, prompts, shipped):
+    """A prediction (OpenAI's predicted outputs) is drafted from in every mode, alone and batched: the answer is
+    AR's whether the prediction is the answer itself, the answer with a changed middle, or unrelated text."""
+    lm = api.LoadedModel(target, shipped, "shipped")
+    tok = target.tokenizer
+    ar = api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft="none")
+    changed = tok.decode(ar.tokens[:8] + tok.encode(" something else entirely,") + ar.tokens[12:])
+    for prediction in (ar.text, changed, "Unrelated words about a cat."):
+        for draft in ("rnn", "lookup-else-rnn"):
+            got = api.generate(lm, prompts[0], max_tokens=MAX_TOKENS, draft=draft, prediction=prediction)
+            assert got.tokens == ar.tokens, (draft, prediction)
+            if prediction == ar.text:
+                assert got.stats.source_runs["prediction"] >= MAX_TOKENS // 2 and got.stats.steps <= MAX_TOKENS // 3
+    batch = api.generate_batch(lm, [prompts[0], prompts[1]], batch_size=2, max_tokens=MAX_TOKENS,
+                               prediction=changed)
+    assert batch[0].tokens == ar.tokens and batch[0].stats.source_runs["prediction"] > 0
+
 def test_continuing_a_conversation_reuses_the_cache(target, chat_ids, drafter):
     """Turn 2 decoded on top of turn 1's KV cache (only the new tokens prefilled) equals AR over everything."""
     from mlx_redrafter.generate import collect, generate_speculative

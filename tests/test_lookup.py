@@ -150,3 +150,20 @@ def test_a_bad_answer_table_is_one_line(tmp_path, content, needle):
     with pytest.raises(UserError, match=needle) as e:
         AnswerTable.load(path, vocab_size=49152)
     assert "\n" not in str(e.value) and "redrafter-mlx answers" in str(e.value)
+
+
+def test_a_prediction_is_copied_from_its_start_and_again_after_a_change():
+    from mlx_redrafter.draft.lookup import PredictionIndex
+
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    index = PredictionIndex(prediction)
+    index.extend([1, 2, 3])  # the context before the answer
+    assert index.candidates(4, 2) == [[10, 11, 12, 13]]
+    index.extend([10, 11])  # the answer follows the prediction
+    assert index.candidates(3, 2) == [[12, 13, 14]]
+    index.extend([12, 99, 98])  # it left it: nothing to copy until its last tokens occur in the prediction again
+    assert index.candidates(3, 2) == []
+    index.extend([15, 16])
+    assert index.candidates(3, 2) == [[17, 18, 19]]
+    index.extend([17, 18, 19])
+    assert index.candidates(3, 2) == []  # the prediction is used up

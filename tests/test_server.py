@@ -378,6 +378,9 @@ BAD = [  # body, status, a needle of the message, the error's param (where it na
     ({"messages": HI, "tool_choice": "required"}, 400, "has no 'tools'", "tool_choice"),
     ({"messages": HI, "tools": [WEATHER], "parallel_tool_calls": "yes"}, 400, "must be true or false",
      "parallel_tool_calls"),
+    ({"messages": HI, "prediction": "Hello"}, 400, "'prediction' must be", "prediction"),
+    ({"messages": HI, "prediction": {"type": "content", "content": [{"type": "image"}]}}, 400, "\"text\": ...} parts",
+     "prediction"),
     ({"messages": HI, "tools": [WEATHER, WEATHER]}, 400, "same name", "tools"),
     ({"messages": HI, "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, "not both",
      "response_format"),
@@ -459,6 +462,21 @@ def test_routes_and_keys(server):
     page = httpx.get(f"{server}/")
     assert page.status_code == 200 and "Token origin" in page.text and "/v1/chat/completions" in page.text
 
+
+def test_a_predicted_output_speeds_the_answer_it_predicts_and_changes_nothing(client):
+    kwargs = {"model": "smollm2-135m", "messages": _chat(), "max_tokens": 40}
+    plain = client.chat.completions.create(**kwargs)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    for prediction in ({"type": "content", "content": text},
+                       {"type": "content", "content": [{"type": "text", "text": text[:20]}, {"type": "text",
+                                                                                        "text": text[20:]}]}):
+        res = client.chat.completions.create(**kwargs, prediction=prediction)
+        assert res.choices[0].message.content == text
+        details = res.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= res.usage.completion_tokens // 2
+        assert res.usage.model_extra["redrafter"]["tokens_per_call"] > \
+            plain.usage.model_extra["redrafter"]["tokens_per_call"]
 
 def test_tokenize_counts_what_the_completion_routes_prefill_and_detokenize_inverts_it(server, client, lm):
     auth = {"Authorization": f"Bearer {KEY}"}

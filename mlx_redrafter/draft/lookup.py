@@ -13,6 +13,10 @@ drafter as answers.npz, built by `redrafter-mlx answers`); `AnswerIndex` is one 
 model reuses its own phrasing across answers, so what followed the context's last n tokens there is often
 what it writes next here; it backs up context lookup (it proposes in steps where the context has nothing to copy).
 
+`PredictionIndex` copies from a predicted output (OpenAI's `prediction`: text the answer is expected to repeat
+largely, e.g. the code being edited): from its start while the answer follows it, and after any change from where
+the answer's last tokens occur in it again.
+
 `LookupSource` turns any of these indices into a draft source; `INDEXES` names the context indices the options
 choose from.
 """
@@ -226,6 +230,38 @@ class AnswerIndex:
 
     def candidates(self, max_len: int, width: int) -> list[list[int]]:
         return self.table.candidates(list(self.tokens), max_len, width)
+
+
+class PredictionIndex:
+    """One decode's view of a predicted output (token ids), with the interface of the context indices. The first
+    `extend` is the context before the answer; the answer then starts at the prediction's start, and follows it
+    while its tokens are the prediction's; once they differ, its last 2-4 tokens are looked up in the prediction
+    to find where to copy from next."""
+
+    def __init__(self, prediction: list[int]):
+        self.prediction = prediction
+        self.table = AnswerTable(np.asarray(prediction, dtype=np.int32))
+        self.tokens: deque[int] = deque(maxlen=self.table.max_n)  # the context's last max_n tokens
+        self.at: int | None = None  # the prediction's next token while the answer follows it (None: it left it)
+        self.started = False  # the context before the answer came
+        self.matched = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        if not self.started:  # the context before the answer: the answer starts at the prediction's start
+            self.started, self.at = True, 0
+        else:
+            for t in tokens:
+                follows = self.at is not None and self.at < len(self.prediction) and self.prediction[self.at] == t
+                self.at = self.at + 1 if follows else None
+        self.tokens.extend(tokens)
+
+    def candidates(self, max_len: int, width: int) -> list[list[int]]:
+        if self.at is not None and self.at < len(self.prediction):
+            self.matched = LookupSource.KIND_MATCH
+            return [self.prediction[self.at : self.at + max_len]]
+        found = self.table.candidates(list(self.tokens), max_len, width)
+        self.matched = self.table.min_n if found else 0
+        return found
 
 
 # Context lookup indices by name; the "2" variants copy only after a match of at least two tokens (fewer, better

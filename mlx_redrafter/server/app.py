@@ -202,6 +202,8 @@ def _encode(lm: api.LoadedModel, req: protocol.Request) -> list[list[int]]:
         api.check_for_model(lm, req.options)  # e.g. a mode this server's drafter cannot serve: 400 now
     except UserError as e:
         raise ApiError(400, protocol.field_names(str(e))) from None
+    if req.options.prediction:
+        req.prediction_tokens = len(_user(tok.encode, req.options.prediction))
     if req.kind == "chat":
         return [_checked_length(lm, _user(tok.encode_chat, template_messages(req.messages, req.tools)),
                                 "messages")]
@@ -300,7 +302,7 @@ async def _answer(request: Request, req: protocol.Request, jobs: list[Job], choi
         else:
             raise ev.error
     return JSONResponse(protocol.completion(req, [c.answer(req, i) for i, c in enumerate(choices)],
-                                            protocol.usage([c.ended for c in choices], req.n)))
+                                            protocol.usage([c.ended for c in choices], req.n, req.prediction_tokens)))
 
 
 async def _next_event(request: Request, queue: asyncio.Queue[Event], last_check: list[float]) -> Event | None:
@@ -371,7 +373,7 @@ async def _stream(req: protocol.Request, jobs: list[Job], choices: list[_Choice]
                 return
         if req.include_usage:
             yield _sse({**protocol.chunk(req, ""), "choices": [],
-                        "usage": protocol.usage([c.ended for c in choices], req.n)})
+                        "usage": protocol.usage([c.ended for c in choices], req.n, req.prediction_tokens)})
         yield "data: [DONE]\n\n"
     finally:
         for job in jobs:

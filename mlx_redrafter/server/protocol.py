@@ -65,6 +65,7 @@ class Request:
     include_usage: bool = False
     echo: bool = False  # completions: the answer's text (and log-probabilities) start with the prompt's
     max_tokens_field: str | None = None  # the request field that set options.max_tokens (None: the default)
+    prediction_tokens: int = 0  # tokens of the predicted output (`prediction`), for usage
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -120,7 +121,24 @@ def parse(body: Any, kind: str, served: str, base: DecodeOptions) -> Request:
                                {"json_schema": "response_format"})
     elif body.get("response_format") is not None:  # {"type": "text"} asks for free text, whatever serve's default
         req.options = replace(req.options, json_schema=None)
+    prediction = _prediction(body.get("prediction"))
+    if prediction:
+        req.options = req.options.updated(prediction=prediction)
     return req
+
+
+def _prediction(value: Any) -> str | None:
+    """The text of OpenAI's predicted output (`{"type": "content", "content": text or text parts}`)."""
+    if value is None:
+        return None
+    content = value.get("content") if isinstance(value, dict) and value.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise _bad("'prediction' must be {\"type\": \"content\", \"content\": text or a list of {\"type\": "
+                   "\"text\", \"text\": ...} parts}", "prediction")
+    return _text(content, "'prediction'", "prediction")
 
 
 def _check_body(body: Any, served: str) -> None:
@@ -367,9 +385,10 @@ class Ended:
     draft: str
 
 
-def usage(ended: list[Ended], n: int = 1) -> dict[str, Any]:
+def usage(ended: list[Ended], n: int = 1, predicted: int = 0) -> dict[str, Any]:
     """OpenAI's usage object over a request's choices (`n` per prompt, a prompt counted once), with what
-    speculation did under 'redrafter' (over all choices: a target call that decided for several counts for each)."""
+    speculation did under 'redrafter' (over all choices: a target call that decided for several counts for each);
+    `predicted`: tokens of the request's predicted output, of which those the answers took are 'accepted'."""
     firsts = ended[::n]
     prompt_tokens = sum(e.prompt_tokens for e in firsts)
     completion_tokens = sum(e.completion_tokens for e in ended)
@@ -381,9 +400,12 @@ def usage(ended: list[Ended], n: int = 1) -> dict[str, Any]:
             runs[source] = runs.get(source, 0) + v
     decode_s = sum(e.stats.decode_s for e in ended)
     generated = sum(max(e.stats.generated_tokens - 1, 0) for e in ended)
+    accepted = int(runs.get("prediction", 0))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(e.cached for e in firsts)},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": max(predicted * len(ended) - accepted, 0)},
             "redrafter": {"draft": ended[0].draft, "tokens_per_call": round(decided / steps, 4) if steps else 0.0,
                           "target_calls": steps,
                           "source_tokens_per_call": {k: round(1 + v / steps, 4) for k, v in runs.items()}
