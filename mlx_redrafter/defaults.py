@@ -17,6 +17,10 @@ DEFAULT_DRAFTER_VOCAB = 8192
 # Longest candidate (g0 included) a context-lookup copy grows to while every copied token keeps being accepted
 # (twice as many copied tokens per fully accepted step; bench/results/cpu-avx2/lookup-growth.md).
 DEFAULT_LOOKUP_MAX_LENGTH = 9
+# The same for copies from a predicted output (`prediction`), which is given to be copied: 33 decided 128-token
+# answers 5-12% faster than 9 with the answer, or the answer edited once, as the prediction, and ~1.5% with two edits
+# (bench/results/cpu-avx2/prediction-20261129/).
+PREDICTION_MAX_LENGTH = 33
 DEFAULT_LOOKUP_INDEX = "ngram"  # the context index of lookup drafting (draft.lookup.INDEXES)
 # Greedy drafts of the recurrent drafter end where the drafter's probability of the whole draft falls below this.
 # Off (0: every draft has the full length): on our CPUs the cut saves little verification and its host reads cost

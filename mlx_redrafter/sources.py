@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from mlx_redrafter.defaults import DEFAULT_DRAFTER_VOCAB
+from mlx_redrafter.defaults import DEFAULT_DRAFTER_VOCAB, PREDICTION_MAX_LENGTH
 from mlx_redrafter.draft.base import Allocator, Slot
 from mlx_redrafter.draft.grammar import GrammarSource
 from mlx_redrafter.draft.kinds import AnyDrafter
@@ -108,7 +108,8 @@ def make_allocator(mode: Mode, target: Target, drafter: AnyDrafter | None, optio
             slots.append(slot)
     if options.prediction:  # copies from the predicted output, beside the mode's own drafts
         ids = target.tokenizer.encode(options.prediction)
-        slots.insert(0, Slot(LookupSource(partial(PredictionIndex, ids), "prediction", options.copy_length), 1))
+        grows = max(options.copy_length, PREDICTION_MAX_LENGTH)
+        slots.insert(0, Slot(LookupSource(partial(PredictionIndex, ids), "prediction", grows), 1))
     if options.json_schema is not None:  # what the grammar forces, beside the mode's own drafts
         slots.insert(0, Slot(GrammarSource(), 1))
     return Allocator(slots, adaptive=options.adaptive)

@@ -157,9 +157,9 @@ def test_a_prediction_is_copied_from_its_start_and_again_after_a_change():
 
     prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
     index = PredictionIndex(prediction)
-    index.extend([1, 2, 3])  # the context before the answer
-    assert index.candidates(4, 2) == [[10, 11, 12, 13]]
-    index.extend([10, 11])  # the answer follows the prediction
+    index.extend([1, 2, 3, 10])  # the context and the answer's first token, the prediction's first
+    assert index.candidates(4, 2) == [[11, 12, 13, 14]]
+    index.extend([11])  # the answer follows the prediction
     assert index.candidates(3, 2) == [[12, 13, 14]]
     index.extend([12, 99, 98])  # it left it: nothing to copy until its last tokens occur in the prediction again
     assert index.candidates(3, 2) == []
@@ -167,3 +167,6 @@ def test_a_prediction_is_copied_from_its_start_and_again_after_a_change():
     assert index.candidates(3, 2) == [[17, 18, 19]]
     index.extend([17, 18, 19])
     assert index.candidates(3, 2) == []  # the prediction is used up
+    other = PredictionIndex(prediction)
+    other.extend([1, 2, 3, 7])  # an answer that starts elsewhere: found again by its last tokens only
+    assert other.candidates(3, 2) == []

@@ -234,9 +234,9 @@ class AnswerIndex:
 
 class PredictionIndex:
     """One decode's view of a predicted output (token ids), with the interface of the context indices. The first
-    `extend` is the context before the answer; the answer then starts at the prediction's start, and follows it
-    while its tokens are the prediction's; once they differ, its last 2-4 tokens are looked up in the prediction
-    to find where to copy from next."""
+    `extend` is the context and the answer's first token (`Source.start`: g0 last); the answer follows the
+    prediction while its tokens are the prediction's, from its start; once they differ, its last 2-4 tokens are
+    looked up in the prediction to find where to copy from next."""
 
     def __init__(self, prediction: list[int]):
         self.prediction = prediction
@@ -247,8 +247,9 @@ class PredictionIndex:
         self.matched = 0
 
     def extend(self, tokens: list[int]) -> None:
-        if not self.started:  # the context before the answer: the answer starts at the prediction's start
-            self.started, self.at = True, 0
+        if not self.started:  # the context, then the answer's first token
+            self.started = True
+            self.at = 1 if tokens and self.prediction and tokens[-1] == self.prediction[0] else None
         else:
             for t in tokens:
                 follows = self.at is not None and self.at < len(self.prediction) and self.prediction[self.at] == t
