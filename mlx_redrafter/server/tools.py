@@ -6,9 +6,8 @@ The tools are described to the model in the system message, and the answer is co
 `parallel_tool_calls` to `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` (one call or more), or, with
 `tool_choice` "auto", to `{"response": "text"}`. The server turns the calls into the assistant message's
 `tool_calls` (finish_reason "tool_calls") and a response into its `content` (streamed as it is written: `Reply`).
-Earlier turns go back to the template
-in the same format: an assistant message's `tool_calls` as the JSON the model wrote, a `tool` message (a result)
-as a user message holding `{"tool_response": {"name": ..., "content": ...}}`.
+Earlier turns go back to the template in the same format: an assistant message's `tool_calls` as the JSON the model
+wrote, a `tool` message (a result) as a user message holding `{"tool_response": {"name": ..., "content": ...}}`.
 """
 
 from __future__ import annotations
