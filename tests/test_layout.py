@@ -1,6 +1,8 @@
-"""The library stands alone: it never imports the benchmark, and a wheel installed outside the checkout works."""
+"""The library stands alone: it never imports the benchmark, a wheel installed outside the checkout works, and the
+docs' Python examples run as written."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +91,17 @@ def test_no_import_circles():
 
     for mod in sorted(graph):
         visit(mod, [])
+
+
+def test_the_readmes_python_example_runs_at_full_speed_and_the_others_install_the_blas_first(tmp_path):
+    """The README's Python example, run as written: no error and no warning (the one a reader gets who imports
+    `api` before `install_blas()`: MLX then keeps its slow reference BLAS). The other pages' examples call
+    `install_blas()` before they import `api` too."""
+    examples = {page: re.search(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S).group(1)
+                for page in ("README.md", "docs/options.md", "docs/batching.md")}
+    for page, code in examples.items():
+        assert code.index("install_blas()") < code.index("import api"), page
+    proc = subprocess.run([sys.executable, "-c", examples["README.md"].replace("max_tokens=64", "max_tokens=8")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MKL_NUM_THREADS": "1", "REDRAFTER_TUNED_FILE": str(tmp_path / "t.json")})
+    assert proc.returncode == 0 and "warning" not in proc.stderr.lower(), proc.stderr
