@@ -228,6 +228,7 @@ def test_a_refused_option_leaves_the_session_as_it_was(lm):
 def test_set_json_schema_takes_the_rest_of_the_line_and_none_clears_it(lm):
     from mlx_redrafter.cmd.chat import _set
 
+    lm = api.LoadedModel(lm.target, lm.drafter, lm.drafter_name)  # paired again: a test above paired the target bare
     session = ChatSession(lm, api.decode_options(max_tokens=24))
     shown = _set(session, 'json-schema {"type": "object", "properties": {"wet": {"type": "boolean"}}, '
                           '"required": ["wet"]}')
