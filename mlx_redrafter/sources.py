@@ -109,7 +109,8 @@ def make_allocator(mode: Mode, target: Target, drafter: AnyDrafter | None, optio
     if options.prediction:  # copies from the predicted output, beside the mode's own drafts
         ids = target.tokenizer.encode(options.prediction)
         grows = max(options.copy_length, PREDICTION_MAX_LENGTH)
-        slots.insert(0, Slot(LookupSource(partial(PredictionIndex, ids), "prediction", grows), 1))
+        source = LookupSource(partial(PredictionIndex, ids), "prediction", grows, LookupSource.KIND_MATCH)
+        slots.insert(0, Slot(source, 1))  # while the answer follows the prediction, its copy is the step's draft
     if options.json_schema is not None:  # what the grammar forces, beside the mode's own drafts
         slots.insert(0, Slot(GrammarSource(), 1))
     return Allocator(slots, adaptive=options.adaptive)

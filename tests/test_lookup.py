@@ -129,6 +129,25 @@ def test_a_backup_source_proposes_only_when_the_one_it_backs_up_has_nothing():
     assert names([1, 2, 3, 7, 8]) == ["answers"]  # nothing to copy from the context: the table proposes
 
 
+def test_while_the_answer_follows_its_prediction_the_predictions_copy_is_the_only_draft():
+    import mlx.core as mx
+
+    from mlx_redrafter.draft.base import DecodeState, Slot, host_only, host_proposals, propose
+    from mlx_redrafter.draft.lookup import LookupSource, PredictionIndex
+
+    prediction = LookupSource(lambda: PredictionIndex([7, 8, 9, 10, 11]), "prediction", 9, LookupSource.KIND_MATCH)
+    plan = [Slot(prediction, 1), Slot(LookupSource(NgramIndex), 1)]
+
+    def step(tokens):
+        state = DecodeState(tokens=tokens, g0=mx.array([tokens[-1]]), h=mx.zeros((1, 4)))
+        for slot in plan:
+            slot.source.start(tokens)
+        host = host_proposals([plan], [state], [3])[0]
+        return [name for name, _ in propose(plan, state, 3).rows], host_only(plan, host)
+
+    assert step([1, 7, 8, 2, 7]) == (["prediction"], True)  # the answer starts as predicted: lookup sits out
+    assert step([1, 5, 6, 2, 5]) == (["lookup"], True)  # it does not: context lookup proposes as usual
+
 @pytest.mark.parametrize("content,needle", [
     (b"not a zip file", "cannot be read"),
     ("float", "1-D integer array"),

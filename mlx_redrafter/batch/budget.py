@@ -155,6 +155,7 @@ class Budget:
         self.probe, self.max_probe = probe, max_probe
         self.alpha: dict[str, float] = {}  # kind of draft -> acceptance, over every row
         self.caps: list[int] = []  # each row's longest candidate
+        self.copy_caps: list[int] = []  # each row's longest copy (a copy that keeps being accepted grows)
         self.step_caps: list[int] = []  # each row's longest candidate at the last step (copies may be longer)
         self.plain: dict[int, float] = {}  # rows -> seconds of a plain step now (moving average)
         self.ratios: dict[tuple[int, int], deque[float]] = {}  # (rows, tokens > rows) -> its last pairs' ratios
@@ -172,12 +173,16 @@ class Budget:
         length sources start from (a context copy that keeps being accepted may grow past it)."""
         return self.curve is not None
 
-    def join(self, cap: int | None = None) -> None:
-        """A row joins; its candidates are at most `cap` tokens (default: `length`)."""
-        self.caps.append(min(cap or self.length, self.length))
+    def join(self, cap: int | None = None, copy_cap: int | None = None) -> None:
+        """A row joins; its candidates are at most `cap` tokens (default: `length`), a copy (the only candidates of
+        a row in a step) at most `copy_cap` (default: `copy_length` for a row at the full length, else `cap`)."""
+        c = min(cap or self.length, self.length)
+        self.caps.append(c)
+        self.copy_caps.append(max(copy_cap, c) if copy_cap is not None else c if c < self.length else self.copy_length)
 
     def select(self, keep: list[int]) -> None:
         self.caps = [self.caps[i] for i in keep]
+        self.copy_caps = [self.copy_caps[i] for i in keep]
 
     def acceptance(self, kind: str) -> float:
         """Alpha of this kind of draft (the prior until a row has drafted so)."""
@@ -204,13 +209,12 @@ class Budget:
                 offered: list[int | None] | None = None) -> list[int]:
         """The candidate length of each row this step, given what each drafts from (None: nothing; it gets 1) and,
         for a row whose only candidates are copies, the longest one (`offered`, tokens with g0; None otherwise): a
-        row at the full length may take a copy of up to `copy_length` (a copy that keeps being accepted grows), a
-        shorter copy prices the row by its own length. `fixed` rows always get their cap: a sampling row whose
+        row may take a copy of up to its copy cap (`join`; a copy that keeps being accepted grows), a shorter copy
+        prices the row by its own length. `fixed` rows always get their cap: a sampling row whose
         drafts must not depend on the other rows (its seeded output depends on what it drafts, not only on the
         target), while greedy rows' output never does."""
         offered = offered or [None] * len(kinds)
-        self.step_caps = [c if o is None else min(o, c if c < self.length else self.copy_length)
-                          for c, o in zip(self.caps, offered)]
+        self.step_caps = [c if o is None else min(o, cc) for c, cc, o in zip(self.caps, self.copy_caps, offered)]
         self.kinds = list(kinds)
         chosen = self._choose(kinds)
         if max(chosen, default=1) > 1:

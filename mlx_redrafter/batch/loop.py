@@ -108,7 +108,8 @@ class Batch:
         tokens = seq.emit([first])
         self.cache.join(one)
         mx.eval(*self.cache.state())  # the copy into the batch's cache is the join's cost, not the next step's
-        self.budget.join(min(length or self.length, self.length))
+        cap = min(length or self.length, self.length)
+        self.budget.join(cap, allocator.longest(cap) if allocator is not None else None)
         if allocator is not None:
             for src in allocator.sources:
                 src.start(seq.state.tokens)

@@ -42,6 +42,7 @@ class DraftSource(Protocol):
     name: str
     optional: bool  # may sit out steps where it keeps finding nothing worth verifying (`Allocator`)
     pads: bool  # one candidate may end (PAD) before the full length; False: it packs without a host sync
+    exclusive: bool  # its proposal of this step is trusted alone: the sources after it sit the step out
 
     def start(self, tokens: list[int]) -> None:
         """A new sequence begins; `tokens` are all decided tokens (g0 last)."""
@@ -62,6 +63,7 @@ class Source:
     name = "source"
     optional = False
     pads = True
+    exclusive = False
 
     def start(self, tokens: list[int]) -> None:
         pass
@@ -165,8 +167,13 @@ def host_only(plan: list[Slot], host: dict[int, mx.array]) -> bool:
     """Whether a row's candidates this step are only those its host sources proposed (`host_proposals`): no
     shared source drafts after them (e.g. the drafter that only backs up a context copy)."""
     names = {plan[i].source.name for i in host}
-    return bool(host) and not any(s.width > 0 and not _in_host_pass(plan, s) and s.backs_up not in names
-                                  for s in plan)
+    return bool(host) and (_exclusive(plan, host) or not any(
+        s.width > 0 and not _in_host_pass(plan, s) and s.backs_up not in names for s in plan))
+
+
+def _exclusive(plan: list[Slot], got: dict[int, mx.array]) -> bool:
+    """Whether a source that proposed this step holds the row to its proposal (`exclusive`)."""
+    return any(plan[i].source.exclusive for i in got)
 
 
 def _in_host_pass(plan: list[Slot], slot: Slot) -> bool:
@@ -187,7 +194,7 @@ def _ask(plans: list[list[Slot]], states: list[DecodeState], lengths: list[int],
             for i, slot in enumerate(plan):
                 if (slot.backs_up is not None) != backups or slot.width <= 0 or not wanted(plan, slot):
                     continue
-                if any(plan[j].source.name == slot.backs_up for j in got[r]):
+                if any(plan[j].source.name == slot.backs_up for j in got[r]) or _exclusive(plan, got[r]):
                     continue
                 key = getattr(slot.source, "batch_key", None)
                 if key is None:
@@ -253,6 +260,11 @@ class Allocator:
     @property
     def sources(self) -> list[DraftSource]:
         return [s.source for s in self.slots]
+
+    def longest(self, length: int) -> int:
+        """The longest candidate (g0 included) any of its sources proposes in steps of `length` (a copy may grow
+        past `length`)."""
+        return max((s.source.candidate_length(length) for s in self.slots), default=length)
 
     def candidate_budget(self, length: int) -> int:
         """The most candidate tokens a step of `length` may verify (sizes the cache's scratch region)."""

@@ -275,18 +275,22 @@ INDEXES: dict[str, Callable[[], object]] = {
 class LookupSource:
     """Training-free drafts copied by an index of this module, kept in step with the decided tokens.
 
-    With `max_length` above the step's length, a copy that keeps being accepted grows: after a step that accepted
-    every token this source proposed, its next candidates may copy twice as many, up to `max_length` tokens
-    (g0 included); any other step sets them back to the step's length (long copies only where the text is
-    being copied).
+    With `max_length` above the step's length, a copy that keeps being accepted grows: after a step whose decided
+    tokens were all the copy's (it accepted every token this source proposed, or every one a batched step
+    verified of them), its next candidates may copy twice as many, up to `max_length` tokens (g0 included); any
+    other step sets them back to the step's length (long copies only where the text is being copied).
     """
 
     optional = True  # may sit out (Allocator) when it keeps finding nothing worth verifying
     pads = False  # one copy is never padded
     KIND_MATCH = 4  # matches of at least this many tokens are one kind of draft (`kind`)
 
-    def __init__(self, index_factory: Callable[[], object], name: str = "lookup", max_length: int = 0):
+    def __init__(self, index_factory: Callable[[], object], name: str = "lookup", max_length: int = 0,
+                 exclusive_match: int = 0):
+        """`exclusive_match` > 0: a copy after a match of at least this many tokens is the row's only candidate of
+        the step (`exclusive`; for a prediction the answer is following)."""
         self.factory, self.name, self.max_length = index_factory, name, max_length
+        self.exclusive_match = exclusive_match
         self.index = index_factory()
         self.proposed: list[list[int]] = []  # the drafts of this step's candidates
         self.asked = 0  # drafts this step's candidates could have had
@@ -299,12 +303,18 @@ class LookupSource:
 
     def extend(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
-        copied = any(len(c) == self.asked and tokens[: len(c)] == c for c in self.proposed)
+        # every decided token was the copy's: all of it was accepted, or a batched step verified only its start
+        copied = any(len(c) == self.asked and tokens[: len(c)] == c[: len(tokens)] for c in self.proposed)
         self.grown = 2 * self.asked if copied else 0
         self.proposed = []
 
     def candidate_length(self, length: int) -> int:
         return max(length, self.max_length)
+
+    @property
+    def exclusive(self) -> bool:
+        matched = getattr(self.index, "matched", 0)
+        return bool(self.exclusive_match and self.proposed and matched >= self.exclusive_match)
 
     @property
     def kind(self) -> str:
