@@ -231,7 +231,9 @@ class FusedLinear:
     into the fused matrix, so parameters, checkpoints and memory are unchanged. If a layer's weight is replaced
     later (new weights loaded, a dtype change), `current()` turns False and callers use the layers."""
 
-    def __init__(self, layers: list[nn.Linear]):
+    def __init__(self, layers: list[nn.Linear], stacked: mx.array | None = None):
+        """`stacked`: the layers' weights already stacked in one array (as the loader dequantizes them), taken as
+        it is instead of copied together."""
         self.layers = layers
         parts = [layer.packed if getattr(layer, "packed", None) is not None and layer.packed.current(layer)
                  else None for layer in layers]
@@ -240,7 +242,9 @@ class FusedLinear:
         if self.packed is not None:
             for layer in layers:  # their rows live on in the stacked copy; the layers' own views replace them below
                 layer.packed = None
-        self.weight = mx.concatenate([layer.weight for layer in layers])  # (sum of outputs, in)
+        if stacked is None:  # (sum of outputs, in)
+            stacked = layers[0].weight if len(layers) == 1 else mx.concatenate([layer.weight for layer in layers])
+        self.weight = stacked
         self.bias = mx.concatenate([layer.bias for layer in layers]) if "bias" in layers[0] else None
         self.weight_t = self.weight.T  # a view: the product reads the weight as it is stored
         mx.eval(self.weight, self.weight_t, *([] if self.bias is None else [self.bias]))
@@ -281,6 +285,12 @@ def project(x: mx.array, fused: FusedLinear | None, layers: list[nn.Module]) -> 
     if fused is not None and fused.current():
         return fused(x)
     return [layer(x) for layer in layers]
+
+
+# The products `Model.fuse_projections` fuses, as (the layer's part, the attribute that holds the fused product,
+# the linears it stacks).
+FUSED_PROJECTIONS = (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up", ("gate_proj", "up_proj")),
+                     ("self_attn", "o", ("o_proj",)), ("mlp", "down", ("down_proj",)))
 
 
 class Ragged:
@@ -511,20 +521,25 @@ class Model(nn.Module):
         """An empty KV cache for this model, pre-sized for `capacity` positions (it grows if needed)."""
         return KVCache(self.args.num_hidden_layers, capacity)
 
-    def fuse_projections(self) -> None:
+    def projection_groups(self) -> list[list[str]]:
+        """The linears `fuse_projections` computes as one product each, by path (q/k/v, gate/up, o and down of
+        every layer)."""
+        return [[f"model.layers.{i}.{part}.{name}" for name in names]
+                for i in range(len(self.model.layers)) for part, _, names in FUSED_PROJECTIONS]
+
+    def fuse_projections(self, stacked: dict[str, mx.array] | None = None) -> None:
         """Compute q/k/v and gate/up as one product each, and every product of a layer from a pre-transposed weight
         (plain float weights; quantized layers stay apart). Same results: every output is the same dot product;
-        parameters and checkpoints are unchanged."""
-        for layer in self.model.layers:
-            a, p = layer.self_attn, layer.mlp
-            if FusedLinear.supported([a.q_proj, a.k_proj, a.v_proj]):
-                a.qkv = FusedLinear([a.q_proj, a.k_proj, a.v_proj])
-            if FusedLinear.supported([p.gate_proj, p.up_proj]):
-                p.gate_up = FusedLinear([p.gate_proj, p.up_proj])
-            if FusedLinear.supported([a.o_proj]):
-                a.o = FusedLinear([a.o_proj])
-            if FusedLinear.supported([p.down_proj]):
-                p.down = FusedLinear([p.down_proj])
+        parameters and checkpoints are unchanged. `stacked`: a group's weights already stacked, by its first
+        linear's path (`projection_groups`)."""
+        stacked = stacked or {}
+        for i, layer in enumerate(self.model.layers):
+            for part, fused, names in FUSED_PROJECTIONS:
+                module = getattr(layer, part)
+                linears = [getattr(module, name) for name in names]
+                if FusedLinear.supported(linears):
+                    first = f"model.layers.{i}.{part}.{names[0]}"
+                    setattr(module, fused, FusedLinear(linears, stacked.get(first)))
         self.compile_layers(True)
 
     def compile_layers(self, on: bool) -> None:

@@ -154,6 +154,50 @@ def test_quantized_products_are_the_float32_products_of_the_dequantized_weights(
         assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("isa", ["best", "avx2", "base"])
+@pytest.mark.parametrize("bits,group", [(4, 8), (4, 32), (4, 64), (8, 16), (8, 32), (8, 128)])
+def test_dequantize_has_the_bits_of_scale_times_q_plus_bias(kernel, isa, bits, group):
+    """scale * q + bias in float32 (one rounding), as mx.dequantize computes it, on every variant, whole, from
+    strided rows and on two threads."""
+    rng = np.random.default_rng(bits * 1000 + group)
+    n, k = 67, 512
+    q = rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32)
+    scales = rng.standard_normal((n, k // group)).astype(np.float16).astype(np.float32)  # a checkpoint's scales
+    biases = rng.standard_normal((n, k // group)).astype(np.float16).astype(np.float32)
+    values = (q[:, :, None] >> np.arange(0, 32, bits, dtype=np.uint32)) & np.uint32(2**bits - 1)
+    want = values.reshape(n, k // group, group).astype(np.float32) * scales[..., None] + biases[..., None]
+    want = want.reshape(n, k)
+    qm, sm, bm = mx.array(q), mx.array(scales), mx.array(biases)
+    with KERNEL.use_isa(isa):
+        assert np.array_equal(np.array(kernel.dequantize(qm, sm, bm, bits, group)), want)
+        assert np.array_equal(np.array(kernel.dequantize(qm[::2], sm[::2], bm[::2], bits, group)), want[::2])
+        try:
+            KERNEL.set_threads(2)
+            assert np.array_equal(np.array(kernel.dequantize(qm, sm, bm, bits, group)), want)
+        finally:
+            KERNEL.set_threads(int(os.environ.get("REDRAFTER_THREADS", os.cpu_count() or 1)))
+    if group >= 32:
+        assert np.array_equal(np.array(mx.dequantize(qm, sm, bm, group_size=group, bits=bits)), want)
+
+
+def test_the_loaded_target_holds_mx_dequantizes_weights_stacked_without_copies(target):
+    """The loader dequantizes each fused product's layers at once (our kernel where it is active): every weight
+    has mx.dequantize's bits, and a layer's weight lives in its fused product's array."""
+    from mlx_redrafter.models.loader import read_checkpoint
+
+    _, weights, quant, _ = read_checkpoint(target.path)
+    layer = target.model.model.layers[3]
+    for path, module in (("model.layers.3.self_attn.k_proj", layer.self_attn.k_proj),
+                         ("model.layers.3.mlp.up_proj", layer.mlp.up_proj),
+                         ("model.layers.3.mlp.down_proj", layer.mlp.down_proj)):
+        q = quant[path]
+        want = mx.dequantize(weights[path + ".weight"], weights[path + ".scales"].astype(mx.float32),
+                             weights[path + ".biases"].astype(mx.float32), group_size=q["group_size"], bits=q["bits"])
+        assert mx.array_equal(module.weight, want).item(), path
+    qkv = layer.self_attn.qkv
+    assert qkv.current() and qkv.weight.shape[0] == sum(m.weight.shape[0] for m in qkv.layers)
+
+
 def _small_gemm_like(isa: str):
     """The small-GEMM kernel's path of the packed kernel's variant `isa` (its AVX2 one for "avx2")."""
     return small_gemm_avx2() if isa == "avx2" else _nothing()

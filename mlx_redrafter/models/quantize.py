@@ -122,7 +122,7 @@ def quantize(src: str, dst: str | Path, bits: int = 4, group_size: int = 64, dty
     check_writable_dir(dst, "output directory")
     name, path = resolve_model(src)
     cfg, weights, quant, tokenizer = read_checkpoint(path)
-    full = dequantize_weights(weights, quant, mx.float32)
+    full, _ = dequantize_weights(weights, quant, mx.float32)
     del weights
     out, count = quantize_weights(full, bits, group_size, DTYPES[dtype])
     dst.parent.mkdir(parents=True, exist_ok=True)

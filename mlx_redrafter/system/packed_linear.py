@@ -6,7 +6,8 @@ A decoding step multiplies a few rows by every weight matrix, so on a CPU it cos
 and MLX's own float16 and quantized products there are several times slower than its float32 ones: this project
 ran float32 copies (538 MB a target call for the embedded 4-bit model). With this kernel a float32 target keeps its
 quantized weights beside the float32 copies (`models.packed`), and a drafter float16 copies of the weights float16
-holds exactly (`draft.half_weights`); steps of up to `MAX_ROWS` rows read those. Built against the installed
+holds exactly (`draft.half_weights`); steps of up to `MAX_ROWS` rows read those. The same extension dequantizes a
+model's 4- and 8-bit weights at load time (`dequantize`: mx.dequantize's bits, on every thread). Built against the installed
 MLX by `make setup` (`python -m mlx_redrafter.system.packed_linear`); where it is not built, does not load or fails its
 self-check, the float32 copies serve, as before (one line on stderr says so where it was expected).
 Switch: REDRAFTER_PACKED_WEIGHTS=auto (default) | off.
@@ -64,6 +65,18 @@ def quantized_product(x, weight, scales, biases, bits: int, group_size: int):
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
+def dequantize(weight, scales, biases, bits: int, group_size: int):
+    """mx.dequantize(weight, scales, biases) in float32 (scales and biases float32), with its bits, on every
+    thread (lazy); MLX's own where the kernel is not active or does not take these weights."""
+    import mlx.core as mx
+
+    kernel = KERNEL.module
+    if (kernel is None or not hasattr(kernel, "dequantize") or mx.default_device() != mx.cpu or bits not in (4, 8)
+            or group_size % 8 != 0 or weight.ndim != 2):
+        return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
+    return kernel.dequantize(weight, scales, biases, bits, group_size)
+
+
 def _self_check() -> str:
     """Float16 products with a bias, without one, and of a slice of rows, and 4- and 8-bit products, against
     MLX's float32 products of the same weights; '' when they agree."""
@@ -82,6 +95,9 @@ def _self_check() -> str:
         s, z = s.astype(mx.float32), z.astype(mx.float32)
         ref = x @ mx.dequantize(q, s, z, group_size=32, bits=bits).T
         errs.append(mx.abs(quantized_product(x, q, s, z, bits, 32) - ref).max().item())
+        if hasattr(KERNEL.module, "dequantize"):
+            errs.append(mx.abs(dequantize(q, s, z, bits, 32) - mx.dequantize(q, s, z, group_size=32, bits=bits))
+                        .max().item())
     return "" if max(errs) <= 1e-5 else f"max difference {max(errs):.2e}"
 
 
