@@ -280,7 +280,7 @@ def stream_batch(lm: LoadedModel, prompts: list[str | list[int]], options: Decod
     records = batch_loop(model, ids, batch_size=batch_size, max_tokens=min(options.max_tokens, room),
                          eos_ids=lm.tokenizer.eos_ids, sampling=options.sampling,
                          allocator=lambda: make_allocator(lm, options), length=options.shape.length,
-                         budget=Budget(options.shape.length, curve, copy_length=options.copy_length),
+                         budget=Budget(options.shape.length, curve),
                          logprobs=options.logprobs, constraint=lambda: make_constraint(lm, options))
     for index, r in records:
         yield index, Response(detoks[index].add(r.tokens), r.tokens, r)

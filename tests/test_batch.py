@@ -344,9 +344,9 @@ def test_the_budget_gives_each_row_the_length_its_kind_of_draft_pays_for():
     in all, the copying rows take their whole copies and the drafter's rows verify their own token alone, where
     one common length would have to give every row the same."""
     curve = CostCurve({b: [1.0 + 0.1 * b * (p - 1) for p in range(1, 10)] for b in (1, 2, 4, 8)})
-    budget = Budget(4, curve, probe=1000, max_probe=1000, copy_length=8)
+    budget = Budget(4, curve, probe=1000, max_probe=1000)
     for _ in range(4):
-        budget.join()
+        budget.join(copy_cap=8)
     kinds, offered = ["lookup4", "rnn", "lookup4", "rnn"], [8, None, 8, None]
     for _ in range(60):
         lengths = budget.lengths(kinds, offered=offered)

@@ -147,11 +147,9 @@ class Budget:
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
-                 probe: int = 12, max_probe: int = 96, copy_length: int | None = None,
-                 acceptance_decay: float = 0.95):
+                 probe: int = 12, max_probe: int = 96, acceptance_decay: float = 0.95):
         self.length, self.curve, self.decay, self.prior = length, curve, decay, prior
         self.acceptance_decay = acceptance_decay
-        self.copy_length = max(copy_length or length, length)
         self.probe, self.max_probe = probe, max_probe
         self.alpha: dict[str, float] = {}  # kind of draft -> acceptance, over every row
         self.caps: list[int] = []  # each row's longest candidate
@@ -175,10 +173,10 @@ class Budget:
 
     def join(self, cap: int | None = None, copy_cap: int | None = None) -> None:
         """A row joins; its candidates are at most `cap` tokens (default: `length`), a copy (the only candidates of
-        a row in a step) at most `copy_cap` (default: `copy_length` for a row at the full length, else `cap`)."""
+        a row in a step) at most `copy_cap` (default: `cap`; its sources' longest, `Allocator.longest`)."""
         c = min(cap or self.length, self.length)
         self.caps.append(c)
-        self.copy_caps.append(max(copy_cap, c) if copy_cap is not None else c if c < self.length else self.copy_length)
+        self.copy_caps.append(max(copy_cap or c, c))
 
     def select(self, keep: list[int]) -> None:
         self.caps = [self.caps[i] for i in keep]
