@@ -610,6 +610,23 @@ def test_a_text_response_format_lifts_the_servers_default_schema():
     assert "tool_call" in tools.options.json_schema
 
 
+def test_a_lone_surrogate_in_a_tool_answer_becomes_a_replacement_character():
+    """JSON lets a string escape half a surrogate pair (\\ud800), which UTF-8 cannot encode: a whole answer's
+    message (a call's arguments, a direct answer) holds U+FFFD there, as a streamed one does."""
+    from mlx_redrafter.server.tools import Reply, Tools
+
+    tools = Tools([WEATHER["function"]], "auto")
+    call, finish = tools.message('{"tool_call": {"name": "get_weather", "arguments": {"city": "a\\ud800b"}}}')
+    assert finish == "tool_calls" and json.loads(call["tool_calls"][0]["function"]["arguments"]) == {"city": "a\ufffdb"}
+    answer, _ = tools.message('{"response": "x\\udc00y \\ud83d\\ude00"}')
+    assert answer["content"] == "x\ufffdy \U0001f600"
+    json.dumps(call, ensure_ascii=False).encode("utf-8")  # both can be written
+    json.dumps(answer, ensure_ascii=False).encode("utf-8")
+    reply = Reply()
+    reply.feed('{"response": "x\\udc00y \\ud83d\\ude00"}')
+    assert reply.text == answer["content"]
+
+
 @pytest.mark.parametrize("text", ["plain", 'a "quote", a \\ and\na line\tand tab', "é ü 😀 \u2028", ""])
 def test_a_reply_decodes_its_json_string_whatever_pieces_it_arrives_in(text):
     from mlx_redrafter.server.tools import Reply

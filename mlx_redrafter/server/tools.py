@@ -13,6 +13,7 @@ wrote, a `tool` message (a result) as a user message holding `{"tool_response": 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,7 @@ class Tools:
     def message(self, text: str) -> tuple[dict[str, Any], str | None]:
         """The assistant message of an answer's text, and the finish reason it implies (None: the caller's)."""
         try:
-            value = json.loads(text)
+            value = _text_only(json.loads(text))
         except ValueError:  # cut before the JSON ended (max_tokens): a response's text so far, or the text as is
             reply = Reply()
             reply.feed(text)
@@ -77,6 +78,21 @@ class Tools:
         if isinstance(value, dict) and isinstance(value.get("response"), str):
             return {"role": "assistant", "content": value["response"]}, None
         return {"role": "assistant", "content": text}, None
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of a \ud800 escape without its pair
+
+
+def _text_only(value: Any) -> Any:
+    """`value` (parsed JSON) with every lone surrogate in its strings replaced by U+FFFD, as `Reply` does: UTF-8
+    cannot encode one, so the HTTP answer could not be written."""
+    if isinstance(value, str):
+        return LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_text_only(v) for v in value]
+    if isinstance(value, dict):
+        return {_text_only(k): _text_only(v) for k, v in value.items()}
+    return value
 
 
 class Reply:
