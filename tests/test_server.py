@@ -463,6 +463,53 @@ def test_routes_and_keys(server):
     assert page.status_code == 200 and "Token origin" in page.text and "/v1/chat/completions" in page.text
 
 
+def _metrics(server: str) -> dict[str, float]:
+    """GET /metrics as {sample name with its labels: value}."""
+    res = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert res.status_code == 200 and res.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = {}
+    for line in res.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def _idle_metrics(server: str) -> dict[str, float]:
+    """The metrics once no completion runs or waits (an earlier test's abandoned stream ends at the next call)."""
+    for _ in range(300):
+        m = _metrics(server)
+        if m["redrafter_completions_running"] == 0 and m["redrafter_completions_waiting"] == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"the server never went idle: {m}")
+
+
+def test_metrics_count_what_a_completion_did(server, client):
+    before = _idle_metrics(server)
+    res = client.chat.completions.create(
+        model="smollm2-135m", max_tokens=32,
+        messages=_chat("Copy this text exactly: the quick brown fox jumps over the lazy dog, twice."))
+    after = _idle_metrics(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    tokens = res.usage.completion_tokens
+    assert grew("redrafter_generation_tokens_total") == tokens
+    assert grew("redrafter_prompt_tokens_total") == res.usage.prompt_tokens
+    assert grew(f'redrafter_completions_total{{finish_reason="{res.choices[0].finish_reason}"}}') == 1
+    steps = grew("redrafter_completion_steps_total")
+    accepted = sum(grew(k) for k in after if k.startswith("redrafter_accepted_draft_tokens_total{"))
+    assert 1 <= steps <= tokens - 1 <= steps + accepted  # each call: the drafts it accepted and its own token
+    assert accepted > 0  # the copy was drafted
+    assert grew("redrafter_target_calls_total") == steps  # alone in the batch: one call a step
+    assert grew("redrafter_verified_tokens_total") >= steps + accepted
+    assert grew("redrafter_time_to_first_token_seconds_count") == grew("redrafter_completion_seconds_count") == 1
+    assert after['redrafter_completion_seconds_bucket{le="+Inf"}'] == after["redrafter_completion_seconds_count"]
+    assert httpx.get(f"{server}/metrics").status_code == 401  # an --api-key guards it
+
+
 def test_a_predicted_output_speeds_the_answer_it_predicts_and_changes_nothing(client):
     kwargs = {"model": "smollm2-135m", "messages": _chat("Write a short story about a robot."), "max_tokens": 64}
     plain = client.chat.completions.create(**kwargs)

@@ -8,6 +8,7 @@
     POST /v1/completions        raw text (stream or not)
     POST /tokenize              token ids of a prompt or a chat, as the completions routes would see them
     POST /detokenize            text of token ids
+    GET  /metrics               Prometheus metrics: completions, tokens, latency, target calls, accepted drafts
 
 Every failure is OpenAI's JSON error object with its status; nothing here touches MLX (the scheduler does).
 """
@@ -39,7 +40,8 @@ from mlx_redrafter.server.scheduler import Event, Job, Scheduler
 from mlx_redrafter.server.tools import Reply, template_messages
 
 MAX_BODY = 1 << 20  # bytes of a request body
-GATED = ("/v1/", "/tokenize", "/detokenize")  # the routes an --api-key guards (the page and /health stay open)
+# the routes an --api-key guards (the page and /health stay open)
+GATED = ("/v1/", "/tokenize", "/detokenize", "/metrics")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -67,6 +69,12 @@ def create_app(lm: api.LoadedModel, scheduler: Scheduler, base: DecodeOptions, a
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": served, **scheduler.load()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        load = scheduler.load()
+        return Response(scheduler.metrics.render(load["active"], load["waiting"]),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     model = {"id": served, "object": "model", "created": started, "owned_by": "redrafter-mlx",
              "drafter": lm.drafter_name}

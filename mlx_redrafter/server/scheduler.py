@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from mlx_redrafter.generate import Record, Stats
 from mlx_redrafter.logprobs import TokenLogprob
 from mlx_redrafter.models.tokenizer import StreamingDetokenizer
 from mlx_redrafter.options import MAX_CANDIDATE_LENGTH, DecodeOptions
+from mlx_redrafter.server.metrics import Metrics
 from mlx_redrafter.server.protocol import ApiError, Ended
 from mlx_redrafter.server.stops import StopText
 from mlx_redrafter.step import prefill_logits
@@ -59,6 +61,7 @@ class Job:
         `queue`: where its events go (the jobs of one request share one), each marked with `index`."""
         self.ids, self.options, self.stop, self.score_prompt = ids, options, stop, score_prompt
         self.loop, self.index = loop, index
+        self.arrived = time.monotonic()
         self.queue: asyncio.Queue[Event] = queue if queue is not None else asyncio.Queue()
         self.cancelled = threading.Event()
 
@@ -140,6 +143,7 @@ class Scheduler:
         self.wake = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="redrafter-scheduler", daemon=True)
+        self.metrics = Metrics()
 
     def start(self) -> None:
         self.thread.start()
@@ -217,6 +221,7 @@ class Scheduler:
             if not job.cancelled.is_set():
                 run = self._start(job, shared.get(tuple(job.ids)))
         except Exception as e:  # a failure of one request must not stop the others
+            self.metrics.ended("error", time.monotonic() - job.arrived)
             job.put(Event("error", error=_failure(e)))
         finally:
             with self.wake:
@@ -243,6 +248,7 @@ class Scheduler:
                                    length=o.shape.length if allocator is not None else 1, logprobs=o.logprobs,
                                    score_prompt=scored, prefilled=prefilled,
                                    constraint=api.make_constraint(self.lm, o))
+        self.metrics.started(len(job.ids), keep)
         return run
 
     def _step(self) -> None:
@@ -252,14 +258,18 @@ class Scheduler:
         except Exception as e:  # the call every job shared failed: each of them gets the error
             for run in list(self.active):
                 self._drop(run)
+                self.metrics.ended("error", time.monotonic() - run.job.arrived)
                 run.job.put(Event("error", error=_failure(e)))
             return
+        if records:
+            self.metrics.target_call()
         for run, record in records:
             self._after(run, record)
 
     def _after(self, run: _Running, record: Record) -> None:
         """Hand a job's record to its client; finish the job if it ended."""
         job = run.job
+        self.metrics.record(record, time.monotonic() - job.arrived if record is run.first else None)
         run.stats.add(record)
         run.tokens.extend(record.tokens)
         pieces, hit = run.stops.add(_pieces(run.detok, record))
@@ -286,6 +296,7 @@ class Scheduler:
         cache, held = self._drop(run)
         if cache is not None and held:
             self.prompts.put(held, cache)
+        self.metrics.ended(finish or "abort", time.monotonic() - run.job.arrived)
         if notify:
             run.job.put(Event("done", ended=Ended(finish, len(run.job.ids), len(run.tokens), run.cached, run.stats,
                                                   run.draft)))
