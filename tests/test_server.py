@@ -148,7 +148,10 @@ def test_tools_are_called_in_openais_format_streamed_or_not(client):
     chunks = list(client.chat.completions.create(model="smollm2-135m", messages=ask, tools=[WEATHER],
                                                  tool_choice="required", max_tokens=64, stream=True))
     calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
-    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", call.function.arguments)]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather" and calls[0].type == "function"
+    assert len(calls) > 1 and {tc.index for tc in calls} == {0}  # the arguments stream as the model writes them
+    streamed = "".join(tc.function.arguments for tc in calls)
+    assert json.loads(streamed) == json.loads(call.function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     result = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C."}]
@@ -655,6 +658,32 @@ def test_a_text_response_format_lifts_the_servers_default_schema():
     assert text.options.json_schema is None
     tools = protocol.parse({**body, "tools": [WEATHER]}, "chat", "m", base)
     assert "tool_call" in tools.options.json_schema
+
+
+@pytest.mark.parametrize("answer", [
+    {"tool_call": {"name": "get_weather", "arguments": {"city": 'Par"is {x}', "n": [1, {"a": "]"}], "u": "é\\"}}},
+    {"tool_calls": [{"name": "a", "arguments": {"x": 1}}, {"name": "b-2", "arguments": {}},
+                    {"name": "c", "arguments": {"s": "\u2028 , }"}}]},
+    {"tool_call": {"name": "s", "arguments": 5}},
+    {"tool_call": {"name": "s", "arguments": "str,}"}},
+])
+def test_tool_calls_stream_their_arguments_whatever_pieces_the_answer_arrives_in(answer):
+    from mlx_redrafter.server.tools import CallStream
+
+    calls = answer.get("tool_calls") or [answer["tool_call"]]
+    for ascii_only in (False, True):
+        raw = json.dumps(answer, ensure_ascii=ascii_only)
+        for size in (1, 2, 3, 7, len(raw)):
+            stream, names, arguments = CallStream(), {}, {}
+            for k in range(0, len(raw), size):
+                for piece in stream.feed(raw[k : k + size]):
+                    if piece.name is not None:  # a call's first piece names it, once
+                        assert piece.index not in names and piece.id.startswith("call_")
+                        names[piece.index] = piece.name
+                    arguments[piece.index] = arguments.get(piece.index, "") + piece.arguments
+            assert [names[i] for i in sorted(names)] == [c["name"] for c in calls]
+            assert [json.loads(arguments[i]) for i in sorted(arguments)] == [c["arguments"] for c in calls]
+    assert CallStream().feed(json.dumps({"response": '{"name": "x", "arguments": 1}'})) == []  # a direct answer
 
 
 def test_a_lone_surrogate_in_a_tool_answer_becomes_a_replacement_character():

@@ -37,7 +37,7 @@ from mlx_redrafter.schema import shown
 from mlx_redrafter.server import protocol
 from mlx_redrafter.server.protocol import ApiError
 from mlx_redrafter.server.scheduler import Event, Job, Scheduler
-from mlx_redrafter.server.tools import Reply, template_messages
+from mlx_redrafter.server.tools import CallStream, Reply, template_messages
 
 MAX_BODY = 1 << 20  # bytes of a request body
 # the routes an --api-key guards (the page and /health stay open)
@@ -280,6 +280,7 @@ class _Choice:
         self.ended: protocol.Ended | None = None
         self.started = False  # a chunk of it was streamed
         self.reply = Reply() if req.tools is not None else None  # with tools: a direct answer's text as it comes
+        self.calls = CallStream() if req.tools is not None else None  # and the calls' arguments as they come
 
     def answer(self, req: protocol.Request, index: int) -> dict[str, Any]:
         """Its whole answer (with its tokens' log-probabilities; with `echo`, the prompt's first and the rest)."""
@@ -347,13 +348,15 @@ async def _stream(req: protocol.Request, jobs: list[Job], choices: list[_Choice]
                                                                                                  ev.prompt_logprobs)
                 yield _sse(protocol.chunk(req, c.prompt, origin={"origin": "prompt"}, logprobs=scored, index=i))
                 c.started = True
-            if ev.kind == "text" and c.reply is not None:  # JSON: a direct answer's text streams, a call comes whole
+            if ev.kind == "text" and c.reply is not None:  # JSON: a direct answer's text or the calls stream
                 c.text += [t for t, _ in ev.pieces]
                 c.logprobs += ev.logprobs
-                piece = c.reply.feed("".join(t for t, _ in ev.pieces))
-                if piece:
-                    yield _sse(protocol.chunk(req, piece, origin={"origin": ev.pieces[-1][1]}, first=not c.started,
-                                              index=i))
+                raw = "".join(t for t, _ in ev.pieces)
+                piece, calls = c.reply.feed(raw), c.calls.feed(raw)
+                origin = {"origin": ev.pieces[-1][1]} if ev.pieces else None
+                if piece or calls:
+                    yield _sse(protocol.chunk(req, piece, origin=origin, first=not c.started, index=i,
+                                              calls=[p.wire() for p in calls] if calls else None))
                     c.started = True
             elif ev.kind == "text":
                 logprobs = None if c.wire is None or not ev.logprobs else c.wire.wire(ev.logprobs)
@@ -370,6 +373,9 @@ async def _stream(req: protocol.Request, jobs: list[Job], choices: list[_Choice]
                         rest = message["content"][len(c.reply.text):]
                         if rest or logprobs is not None:
                             yield _sse(protocol.chunk(req, rest, first=not c.started, index=i, logprobs=logprobs))
+                    elif c.calls.calls or c.calls.in_arguments:  # the calls have streamed
+                        if logprobs is not None:
+                            yield _sse(protocol.chunk(req, "", index=i, logprobs=logprobs))
                     else:
                         yield _sse(protocol.chunk(req, "", index=i, message=message, logprobs=logprobs))
                     c.started = True

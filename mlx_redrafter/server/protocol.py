@@ -415,13 +415,16 @@ def usage(ended: list[Ended], n: int = 1, predicted: int = 0) -> dict[str, Any]:
 
 def chunk(req: Request, text: str, finish: str | None = None, origin: dict | None = None,
           first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0,
-          message: dict[str, Any] | None = None) -> dict[str, Any]:
+          message: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index` (chat.completion.chunk or text_completion); `logprobs` from
-    `Logprobs.wire`; `message`: a whole assistant message as the delta (`answer_message`)."""
+    `Logprobs.wire`; `message`: a whole assistant message as the delta (`answer_message`); `calls`: pieces of tool
+    calls as they stream (`tools.CallPiece.wire`)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish is not None and not text:
             delta = {}
+        if calls is not None:
+            delta = {"role": "assistant", "content": None, "tool_calls": calls} if first else {"tool_calls": calls}
         if message is not None:
             delta = {**message, "tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]} \
                 if message.get("tool_calls") else message

@@ -5,7 +5,8 @@ The tools are described to the model in the system message, and the answer is co
 `{"tool_call": {"name": ..., "arguments": {...}}}` (the arguments follow that function's `parameters` schema), with
 `parallel_tool_calls` to `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` (one call or more), or, with
 `tool_choice` "auto", to `{"response": "text"}`. The server turns the calls into the assistant message's
-`tool_calls` (finish_reason "tool_calls") and a response into its `content` (streamed as it is written: `Reply`).
+`tool_calls` (finish_reason "tool_calls") and a response into its `content`; streamed, both go out as the model
+writes them (`Reply`, `CallStream`).
 Earlier turns go back to the template in the same format: an assistant message's `tool_calls` as the JSON the model
 wrote, a `tool` message (a result) as a user message holding `{"tool_response": {"name": ..., "content": ...}}`.
 """
@@ -97,7 +98,7 @@ def _text_only(value: Any) -> Any:
 
 class Reply:
     """The text of a direct answer (`{"response": "..."}`) as it arrives, decoded from its JSON string, so that it
-    streams as it is written (a tool call is sent whole once it ends). The grammar makes the answer valid JSON
+    streams as it is written (a tool call's arguments stream too: `CallStream`). The grammar makes the answer valid JSON
     written as `json.dumps` writes it, so a direct answer starts with exactly `START`."""
 
     START = '{"response": "'
@@ -149,6 +150,80 @@ class Reply:
         self.pos = i
         self.text += "".join(out)
         return "".join(out)
+
+
+@dataclass
+class CallPiece:
+    """A piece of a streamed tool call: its start (`name`, with the `id` the call goes by) or more of its arguments'
+    JSON text."""
+
+    index: int  # the call's place in the answer
+    arguments: str = ""
+    name: str | None = None
+    id: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """OpenAI's `delta.tool_calls` entry."""
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class CallStream:
+    """The tool calls of an answer as it arrives (`{"tool_call": CALL}` or `{"tool_calls": [CALL, ...]}`, each CALL
+    `{"name": ..., "arguments": VALUE}` as `json.dumps` writes it, which the grammar makes sure of): a call starts
+    once its name is whole, then its arguments stream as the model writes their JSON text."""
+
+    CALL = re.compile(r'\{"name": ("[^"\\]*"), "arguments": ')  # function names hold no quote or backslash
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.pos = 0  # where the scan goes on in `raw`
+        self.calls = 0  # calls started
+        self.in_arguments = False
+        self.depth = 0  # of the arguments' brackets
+        self.in_string = self.escaped = False
+
+    def feed(self, piece: str) -> list[CallPiece]:
+        """Take the next piece of the answer's text; returns the call pieces it completes."""
+        self.raw += piece
+        out: list[CallPiece] = []
+        while True:
+            if not self.in_arguments:
+                found = self.CALL.search(self.raw, self.pos)
+                if found is None or not self.raw.startswith(('{"tool_call": ', '{"tool_calls": [')):
+                    return out
+                out.append(CallPiece(self.calls, name=json.loads(found.group(1)),
+                                     id="call_" + uuid.uuid4().hex[:24]))
+                self.pos, self.in_arguments, self.depth = found.end(), True, 0
+            start, ended = self.pos, False
+            while self.pos < len(self.raw) and not ended:
+                ch = self.raw[self.pos]
+                if self.in_string:
+                    self.escaped, self.in_string = (not self.escaped and ch == "\\",
+                                                    self.escaped or ch != '"')
+                elif ch == '"':
+                    self.in_string = True
+                elif ch in "{[":
+                    self.depth += 1
+                elif ch in "}]" or (ch == "," and self.depth == 0):
+                    if self.depth == 0:  # the call's own closing brace: a scalar value ended
+                        ended = True
+                        break
+                    self.depth -= 1
+                    ended = self.depth == 0
+                self.pos += 1
+            text = self.raw[start:self.pos]
+            if text:
+                if out and out[-1].index == self.calls:
+                    out[-1].arguments += text
+                else:
+                    out.append(CallPiece(self.calls, arguments=text))
+            if not ended:
+                return out
+            self.in_arguments = False
+            self.calls += 1
 
 
 def parse_tools(tools: Any, tool_choice: Any, parallel: Any = None) -> Tools | None:
