@@ -439,6 +439,27 @@ def test_the_capacity_is_max_active_running_plus_max_queued_waiting(lm):
         loop.close()
 
 
+def test_metrics_count_a_completion_whose_client_left_before_it_started(lm):
+    async def run() -> str:
+        scheduler = Scheduler(lm, max_active=1, max_queued=2)
+        loop = asyncio.get_running_loop()
+        left, kept = (Job([1, 2, 3], DecodeOptions(max_tokens=3), [], loop) for _ in range(2))
+        left.cancel()
+        scheduler.submit(left, kept)
+        scheduler.start()
+        try:
+            while (await asyncio.wait_for(kept.queue.get(), 120)).kind != "done":
+                pass
+            return scheduler.metrics.render(0, 0)
+        finally:
+            scheduler.stop()
+
+    text = asyncio.run(run())
+    assert 'redrafter_completions_total{finish_reason="abort"} 1' in text
+    assert 'redrafter_completions_total{finish_reason="length"} 1' in text
+    assert "redrafter_prompt_tokens_total 3" in text and "redrafter_generation_tokens_total 3" in text
+
+
 def test_serve_on_a_port_in_use_fails_at_once_with_one_line(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

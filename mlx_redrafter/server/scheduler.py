@@ -220,6 +220,8 @@ class Scheduler:
         try:
             if not job.cancelled.is_set():
                 run = self._start(job, shared.get(tuple(job.ids)))
+            else:  # the client left while it waited
+                self.metrics.ended("abort", time.monotonic() - job.arrived)
         except Exception as e:  # a failure of one request must not stop the others
             self.metrics.ended("error", time.monotonic() - job.arrived)
             job.put(Event("error", error=_failure(e)))
