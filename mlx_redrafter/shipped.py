@@ -27,9 +27,14 @@ def shipped_drafter_path(model_name: str) -> Path | None:
     return p if (p / "config.json").exists() else None
 
 
+def answer_table_path(target: Target) -> Path:
+    """Where the answer table shipped for this model is (answers.npz beside its drafter), if it is."""
+    return shipped_folder(target.name) / "answers.npz"
+
+
 def answer_table(target: Target) -> AnswerTable | None:
-    """The answer table shipped for this model (answers.npz beside its drafter), or None."""
-    path = shipped_folder(target.name) / "answers.npz"
+    """The answer table shipped for this model, or None."""
+    path = answer_table_path(target)
     return _load_answer_table(path, target.model.args.vocab_size) if path.exists() else None
 
 

@@ -25,7 +25,7 @@ from mlx_redrafter.draft.redrafter import RnnSource
 from mlx_redrafter.draft.semi_ar import SemiARSource
 from mlx_redrafter.models.loader import Target
 from mlx_redrafter.options import DecodeOptions
-from mlx_redrafter.shipped import answer_table
+from mlx_redrafter.shipped import answer_table, answer_table_path
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ SOURCE_KINDS: dict[str, SourceKind] = {k.name: k for k in (
         "lookup_width": o.lookup.width, "lookup": o.lookup.index,
         "lookup_max_length": o.copy_length}),
     SourceKind("answers", _answers, lambda t, d, o: {
-        "answers_width": o.lookup.answers_width if answer_table(t) is not None else 0}),
+        "answers_width": o.lookup.answers_width if answer_table_path(t).exists() else 0}),  # not loaded to say so
 )}
 # What a record says about sources a mode does not use.
 UNUSED = {"beam_width": 0, "drafter_vocab": 0, "draft_confidence": 0, "lookup_width": 0, "lookup": "none",
