@@ -95,7 +95,7 @@ def dequantize_weights(weights: dict[str, mx.array], quant: dict[str, dict], dty
     module)."""
     out: dict[str, mx.array] = {}
     stacked: dict[str, mx.array] = {}
-    grouped = {m: g for g in groups if len(g) > 1 and _stackable(weights, quant, g) for m in g}
+    grouped = {m for g in groups if len(g) > 1 and _stackable(weights, quant, g) for m in g}
     for group in groups:
         if group[0] not in grouped:
             continue
