@@ -293,6 +293,11 @@ FUSED_PROJECTIONS = (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")), ("mlp
                      ("self_attn", "o", ("o_proj",)), ("mlp", "down", ("down_proj",)))
 
 
+def _linear_path(layer: int, part: str, name: str) -> str:
+    """A layer's linear by its path among the model's parameters (as a checkpoint names it)."""
+    return f"model.layers.{layer}.{part}.{name}"
+
+
 class Ragged:
     """B rows of different numbers of new tokens (`sizes`) in one forward, without padding in the products.
 
@@ -524,7 +529,7 @@ class Model(nn.Module):
     def projection_groups(self) -> list[list[str]]:
         """The linears `fuse_projections` computes as one product each, by path (q/k/v, gate/up, o and down of
         every layer)."""
-        return [[f"model.layers.{i}.{part}.{name}" for name in names]
+        return [[_linear_path(i, part, name) for name in names]
                 for i in range(len(self.model.layers)) for part, _, names in FUSED_PROJECTIONS]
 
     def fuse_projections(self, stacked: dict[str, mx.array] | None = None) -> None:
@@ -538,8 +543,7 @@ class Model(nn.Module):
                 module = getattr(layer, part)
                 linears = [getattr(module, name) for name in names]
                 if FusedLinear.supported(linears):
-                    first = f"model.layers.{i}.{part}.{names[0]}"
-                    setattr(module, fused, FusedLinear(linears, stacked.get(first)))
+                    setattr(module, fused, FusedLinear(linears, stacked.get(_linear_path(i, part, names[0]))))
         self.compile_layers(True)
 
     def compile_layers(self, on: bool) -> None:

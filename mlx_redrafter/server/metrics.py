@@ -23,9 +23,12 @@ class Histogram:
     """Cumulative buckets of observed values, their sum and count."""
 
     buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    counts: list[int] = field(init=False)  # per bucket, of values up to its bound
     total: float = 0.0
     count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
 
     def observe(self, value: float) -> None:
         for i, bound in enumerate(self.buckets):

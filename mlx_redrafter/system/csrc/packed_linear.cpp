@@ -551,6 +551,22 @@ static const T* rows_of(const T* p, const mx::array& a, std::vector<T>& keep, in
     return keep.data();
 }
 
+// run(n0, n1) over rows [0, N) of N x K entries: in one call, or split in equal shares among up to `threads` threads
+// (two rows each at least) once there is enough work to share.
+template <typename Run>
+static void in_row_shares(int threads, int N, int64_t K, Run& run) {
+    const int T = std::min<int>(threads, std::max(1, N / 2));
+    if (T <= 1 || (int64_t)N * K < PARALLEL_WORK) {
+        run(0, N);
+        return;
+    }
+#pragma omp parallel num_threads(T)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        run((int)((int64_t)N * t / nt), (int)((int64_t)N * (t + 1) / nt));
+    }
+}
+
 class PackedLinear : public mx::Primitive {
    public:
     PackedLinear(mx::Stream s, int kind, int group, bool bias)
@@ -606,16 +622,7 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
                 for (int m = 0; m < M; ++m)
                     for (int n = n0; n < n1; ++n) a.y[(int64_t)m * N + n] += b[n];
         };
-        const int T = std::min<int>(threads, std::max(1, N / 2));
-        if (T <= 1 || (int64_t)N * K < PARALLEL_WORK) {
-            run(0, N);
-            return;
-        }
-#pragma omp parallel num_threads(T)
-        {
-            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            run((int)((int64_t)N * t / nt), (int)((int64_t)N * (t + 1) / nt));
-        }
+        in_row_shares(threads, N, K, run);
     });
 }
 
@@ -751,16 +758,7 @@ void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
             else
                 dequantize_rows<4>(wp, ldw, sp, bp, lds, y, K, group, n0, n1);
         };
-        const int T = std::min<int>(threads, std::max(1, N / 2));
-        if (T <= 1 || (int64_t)N * K < PARALLEL_WORK) {
-            run(0, N);
-            return;
-        }
-#pragma omp parallel num_threads(T)
-        {
-            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            run((int)((int64_t)N * t / nt), (int)((int64_t)N * (t + 1) / nt));
-        }
+        in_row_shares(threads, N, K, run);
     });
 }
 
