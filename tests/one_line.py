@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forkserver import run_module
+
 CLI = [sys.executable, "-m", "mlx_redrafter.cmd.main"]
 TIMEOUT = 120  # seconds: a hang guard on a busy 2-core machine (the commands here take 1-5 s)
 
@@ -22,9 +24,9 @@ def cli_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def run(args: list[str], tmp: Path, timeout: int = TIMEOUT, **env: str) -> subprocess.CompletedProcess:
-    """`args` run as a subprocess (e.g. CLI + [...]) with `cli_env`."""
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                          env=cli_env(tmp, **env), cwd=tmp)
+    """`args` run as a real process (e.g. CLI + [...]) with `cli_env`, as `subprocess.run` would run it (a
+    `python -m` command is forked from a server that has imported its third-party modules: forkserver.py)."""
+    return run_module(args, cli_env(tmp, **env), str(tmp), timeout)
 
 
 def generate(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess:

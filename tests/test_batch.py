@@ -66,7 +66,7 @@ def test_batched_plain_decoding_equals_each_prompt_alone(target, prompts, ar_out
     assert all(r.verified <= 1 for _, r in records)
 
 
-@pytest.mark.parametrize("batch_size", [2, 4, 8])
+@pytest.mark.parametrize("batch_size", [2, 8])  # rows refilled as others finish; every prompt at once
 def test_batched_speculative_decoding_equals_each_prompt_alone(target, prompts, ar_outputs, batch_size):
     """Trees of different sizes per row (a random drafter's 2 beams plus growing lookup copies), rows joining
     mid-way (more prompts than rows) and finishing at different steps."""

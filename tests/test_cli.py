@@ -1,18 +1,19 @@
 """Bad input ends with one line on stderr, a non-zero exit code and no traceback."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+from forkserver import run_module
 
 from mlx_redrafter.draft.redrafter import random_drafter, save_drafter
 from tests.one_line import assert_one_line_error
 
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_redrafter.cmd.main", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return run_module([sys.executable, "-m", "mlx_redrafter.cmd.main", *args], dict(os.environ), os.getcwd(), timeout)
 
 
 @pytest.fixture(scope="module")

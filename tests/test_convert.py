@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from forkserver import run_module  # noqa: E402
 
 from bench.torch_ref.drafter import beam_search as torch_beam_search  # noqa: E402
 from bench.torch_ref.drafter import random_torch_drafter  # noqa: E402
@@ -48,7 +51,7 @@ def state(d) -> dict[str, torch.Tensor]:
 
 
 def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT)
+    return run_module([sys.executable, "-m", module, *args], dict(os.environ), str(ROOT), 300)
 
 
 def assert_one_line_error(rc: int, err: str, out_dir: Path) -> None:

@@ -60,14 +60,17 @@ def check(target, prompts, ar_outputs, make_allocator, length):
     return stats
 
 
-@pytest.mark.parametrize("width,length", [(1, 2), (1, 5), (3, 4), (4, 5), (8, 6)])
+# The shortest chain, a tree, and a wide deep tree whose beams share many prefixes (the shipped drafter's chain of
+# L = 5 is below; `make fuzz` sweeps widths and lengths).
+@pytest.mark.parametrize("width,length", [(1, 2), (3, 4), (8, 6)])
 def test_rnn_equals_autoregressive(target, prompts, ar_outputs, drafter, width, length):
     stats = check(target, prompts[:N_PROMPTS], ar_outputs[:N_PROMPTS],
                   lambda: Allocator([Slot(RnnSource(drafter, target.model.embed), width)]), length)
     assert stats.candidate_tokens == stats.steps * width * length
 
 
-@pytest.mark.parametrize("index,width,length", [(NgramIndex, 1, 5), (NgramIndex, 3, 4), (SuffixIndex, 2, 6)])
+# One copy (W = 1) is what the lookup-else-rnn tests below run.
+@pytest.mark.parametrize("index,width,length", [(NgramIndex, 3, 4), (SuffixIndex, 2, 6)])
 def test_lookup_equals_autoregressive(target, prompts, ar_outputs, index, width, length):
     check(target, prompts, ar_outputs, lambda: Allocator([Slot(LookupSource(index), width)]), length)
 
@@ -124,7 +127,7 @@ def shipped(target):
     return d
 
 
-@pytest.mark.parametrize("width,length", [(1, 5), (4, 5)])
+@pytest.mark.parametrize("width,length", [(1, 5)])  # trees of the random drafter's beams are above
 def test_shipped_drafter_is_exact_and_stops_inside_accepted_runs(target, prompts, ar_outputs, shipped, width,
                                                                 length):
     tok = target.tokenizer
