@@ -52,8 +52,7 @@ def warn_slow_dtypes(dtypes: list[str]) -> None:
     slow = [d for d in dtypes if d in SLOW_ON_CPU]
     if slow and mx.default_device() == mx.cpu:
         typer.echo(f"warning: {', '.join(slow)} on a CPU backend: MLX's CPU float16 / bfloat16 / quantized matmuls "
-                   "skip BLAS and run 5-30x (quantized with float16 activations ~40x) slower than float32: expect a "
-                   "long run (see bench/README.md)", err=True)
+                   "skip BLAS and run 8-50x slower than float32: expect a long run (see bench/README.md)", err=True)
 
 
 def dtype_list(text: str) -> list[str]:

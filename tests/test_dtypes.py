@@ -1,11 +1,11 @@
 """float16, bfloat16 and quantized: greedy speculative output agrees with AR of the same dtype (tie-aware rule,
 `bench.agreement`), and our quantized model matches mlx-lm's on the same packed weights.
 
-These dtypes are slow on MLX's CPU backend (no BLAS: float16 ~10x, quantized with its float16 activations ~40x
-slower than float32; the 49152 x 576 head alone costs ~1 s per token row when quantized). So the tests run the
-real SmolLM2-135M weights cut to their first layers (`agreement.load_first_layers`: the loader's own path for
-each dtype, the final norm and the full tied head kept): 4 layers in float16 / bfloat16, 3 layers and a short
-raw-text prompt in quantized, and few tokens. The shipped drafter reads target layers 2, 15 and 24 besides the
+These dtypes are slow on MLX's CPU backend (no BLAS: float16 ~50x slower than float32 at decoding; a quantized
+model computes in float32 there, `loader.quantized_activations`, and still decodes ~8x slower). So the tests run
+the real SmolLM2-135M weights cut to their first layers (`agreement.load_first_layers`: the loader's own path for
+each dtype, the final norm and the full tied head kept): 4 layers in float16 / bfloat16, 3 in quantized, and few
+tokens. The shipped drafter reads target layers 2, 15 and 24 besides the
 last; on a cut target it reads the cut's last three layers instead (`shipped_for`: same weights, and exactness does
 not depend on which layers a drafter reads). The full model (10 MT-bench prompts x 64 tokens per dtype, and the
 calibration of the tie bound) is the offline report `python -m bench dtype-agreement`
@@ -24,10 +24,10 @@ from bench.agreement import EPSILON, FP32_TIE, TIE_FACTOR, compare, load_first_l
 from mlx_redrafter import api
 from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats, collect
+from mlx_redrafter.models.loader import quantized_activations
 
 LAYERS = {"float16": 4, "bfloat16": 4, "quantized": 3}
 CHAT_PROMPT = "Name three colors, one per line."
-RAW_PROMPT = "One, two, three, four,"  # quantized: few prompt rows
 # mlx-lm vs ours on quantized weights: max |difference| within this many float16 unit roundoffs x max |value|.
 # Measured on the full 30-layer model (bench/results/cpu/dtype-agreement/README.md): 0 here in float16, bfloat16
 # and quantized (bit-identical: MLX's CPU kernels for these dtypes do not depend on how the ops are batched), and
@@ -40,7 +40,7 @@ RUNS = {
     "bfloat16": [("rnn", "shipped", 1, 1, 10), ("rnn", "random", 2, 1, 10), ("lookup", None, 1, 1, 10),
                  ("rnn+lookup", "shipped", 1, 1, 10), ("rnn+lookup", "random", 1, 1, 10)],
     "float16": [("rnn", "random", 2, 1, 8), ("lookup", None, 1, 1, 8), ("rnn+lookup", "shipped", 1, 1, 8)],
-    "quantized": [("rnn+lookup", "shipped", 1, 1, 3)],
+    "quantized": [("rnn", "random", 2, 1, 8), ("rnn+lookup", "shipped", 1, 1, 8)],
 }
 CASES = [(dt, *run) for dt, runs in RUNS.items() for run in runs]
 
@@ -79,8 +79,7 @@ def setup(setups: dict, dtype: str) -> dict:
             "drafters": {"shipped": shipped, "random": random_drafter(a.hidden_size, a.vocab_size, seed=0,
                                                                       exit_dim=128, draft_vocab_size=4096,
                                                                       dtype=model.dtype)},
-            "ids": tok.encode(RAW_PROMPT) if dtype == "quantized" else tok.encode_chat(
-                [{"role": "user", "content": CHAT_PROMPT}]),
+            "ids": tok.encode_chat([{"role": "user", "content": CHAT_PROMPT}]),
         }
     return setups[dtype]
 
@@ -100,7 +99,7 @@ def ar_output(s: dict, max_tokens: int) -> list[int]:
 def test_speculative_agrees_with_ar(setups, dtype, draft, drafter, rnn_width, lookup_width, max_tokens):
     s = setup(setups, dtype)
     model = s["target"].model
-    assert model.dtype == (mx.float16 if dtype == "quantized" else getattr(mx, dtype))
+    assert model.dtype == (quantized_activations() if dtype == "quantized" else getattr(mx, dtype))
     ar = ar_output(s, max_tokens)
     got, stats = decode(s, api.decode_options(draft=draft, beam_width=rnn_width, beam_length=3,
                                               lookup_width=lookup_width, max_tokens=max_tokens), drafter)
@@ -119,7 +118,8 @@ def test_tie_bound_per_dtype():
 
 def test_quantized_matches_mlx_lm(setups):
     """Our Llama vs `mlx_lm.models.llama.Model` quantized the same way from our parameters (packed GGUF weights,
-    float16 activations): every post-norm hidden state and the last position's logits."""
+    the activation dtype of a quantized model on this backend): every post-norm hidden state and the last
+    position's logits."""
     from bench.mlx_lm_ref import mlx_lm_model
 
     s = setup(setups, "quantized")
@@ -133,7 +133,7 @@ def test_quantized_matches_mlx_lm(setups):
     ref_logits = ref.model.embed_tokens.as_linear(ref_hidden[:, -1:])  # the head on the last position only
     u = EPSILON["float16"]
     for ours, theirs in ((hidden, ref_hidden), (logits, ref_logits)):
-        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == mx.float16
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == quantized_activations()
         a, b = ours.astype(mx.float32), theirs.astype(mx.float32)
         diff, scale = mx.abs(a - b).max().item(), mx.abs(b).max().item()
         assert diff <= MLX_LM_TOLERANCE * u * scale, (diff, scale)
