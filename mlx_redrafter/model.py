@@ -215,6 +215,10 @@ class PackedWeights:
     def __call__(self, x: mx.array) -> mx.array:
         return packed_linear.quantized_product(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
 
+    def dequantized(self) -> mx.array:
+        """The float32 weight these stand for (lazy; made anew at each call)."""
+        return packed_linear.dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size)
+
     @classmethod
     def stacked(cls, parts: list[PackedWeights]) -> PackedWeights | None:
         """The rows of several packed weights as one (a fused product's), or None if their formats differ."""
@@ -280,7 +284,52 @@ class FusedLinear:
         return mx.split(y, self.splits, axis=-1) if self.splits else [y]
 
 
-def project(x: mx.array, fused: FusedLinear | None, layers: list[nn.Module]) -> list[mx.array]:
+class QuantizedFusedLinear:
+    """One or several bias-free `nn.QuantizedLinear`s over the same input, on a CPU backend with float32
+    activations, as one product from their quantized weights alone: few rows (decoding steps) through the packed-weight
+    kernel, more rows (prefills, large verify blocks) from the weights dequantized for that product into the BLAS.
+    MLX's own CPU quantized products cost ~30-50 ms per row for a 49152 x 576 matrix, ours what reading the weights
+    costs. The float32 bits of the dequantized weights' products, as the float32 model has them. Built at load time:
+    the layers' packed arrays become views into the stacked ones; `current()` as for `FusedLinear`."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.packed = PackedWeights.stacked([PackedWeights(layer.weight, layer.scales, layer.biases, layer.bits,
+                                                           layer.group_size) for layer in layers])
+        self.bias, self.weight_t = None, None
+        sizes = [layer.weight.shape[0] for layer in layers]
+        self.splits = list(np.cumsum(sizes)[:-1])
+        start = 0
+        for layer, n in zip(layers, sizes):
+            for name in ("weight", "scales", "biases"):
+                setattr(layer, name, getattr(self.packed, name)[start : start + n])
+            start += n
+        mx.eval([layer.parameters() for layer in layers])
+        self.held = [(layer, layer.weight) for layer in layers]
+
+    @staticmethod
+    def supported(layers: list[nn.Module]) -> bool:
+        """Quantized linears of one format the packed-weight kernel reads, without bias, with float32 activations
+        on a CPU backend."""
+        return (mx.default_device() == mx.cpu and all(type(layer) is nn.QuantizedLinear for layer in layers)
+                and "bias" not in layers[0] and len({(layer.bits, layer.group_size) for layer in layers}) == 1
+                and all(layer.scales.dtype == mx.float32 for layer in layers)
+                and PackedWeights.supported(layers[0].bits, layers[0].group_size))
+
+    def current(self) -> bool:
+        return held(self.held)
+
+    def product(self, x: mx.array) -> mx.array:
+        """x @ (the layers' dequantized weights, stacked)^T: every layer's outputs side by side."""
+        return self.packed(x) if PackedWeights.takes(x) else x @ self.packed.dequantized().T
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        y = self.product(x)
+        return mx.split(y, self.splits, axis=-1) if self.splits else [y]
+
+
+def project(x: mx.array, fused: FusedLinear | QuantizedFusedLinear | None,
+            layers: list[nn.Module]) -> list[mx.array]:
     """The outputs of `layers` on x: one fused product when it is current, else one product per layer."""
     if fused is not None and fused.current():
         return fused(x)
@@ -443,7 +492,8 @@ class CompiledLayer:
         for b in blocks:
             a, p = b.self_attn, b.mlp
             fused = (a.qkv, a.o, p.gate_up, p.down)
-            if any(f is None or f.bias is not None for f in fused) or len(p.gate_up.splits) != 1:
+            if (any(not isinstance(f, FusedLinear) or f.bias is not None for f in fused)
+                    or len(p.gate_up.splits) != 1):
                 self.weights = None
                 break
             norms = (b.input_layernorm.weight, b.post_attention_layernorm.weight)
@@ -534,8 +584,9 @@ class Model(nn.Module):
 
     def fuse_projections(self, stacked: dict[str, mx.array] | None = None) -> None:
         """Compute q/k/v and gate/up as one product each, and every product of a layer from a pre-transposed weight
-        (plain float weights; quantized layers stay apart). Same results: every output is the same dot product;
-        parameters and checkpoints are unchanged. `stacked`: a group's weights already stacked, by its first
+        (plain float weights) or, for quantized weights with float32 activations on a CPU backend, from the packed
+        weights (`QuantizedFusedLinear`; the vocabulary projection too). Same results: every output is the same dot
+        product; parameters and checkpoints are unchanged. `stacked`: a group's weights already stacked, by its first
         linear's path (`projection_groups`)."""
         stacked = stacked or {}
         for i, layer in enumerate(self.model.layers):
@@ -544,6 +595,12 @@ class Model(nn.Module):
                 linears = [getattr(module, name) for name in names]
                 if FusedLinear.supported(linears):
                     setattr(module, fused, FusedLinear(linears, stacked.get(_linear_path(i, part, names[0]))))
+                elif QuantizedFusedLinear.supported(linears):
+                    setattr(module, fused, QuantizedFusedLinear(linears))
+        head = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        if (hasattr(head, "scales") and head.scales.dtype == mx.float32 and mx.default_device() == mx.cpu
+                and "biases" in head and PackedWeights.supported(head.bits, head.group_size)):
+            PackedWeights.attach(head, head.weight, head.scales, head.biases, head.bits, head.group_size)
         self.compile_layers(True)
 
     def compile_layers(self, on: bool) -> None:
@@ -579,6 +636,8 @@ class Model(nn.Module):
         packed = getattr(layer, "packed", None)
         if packed is not None and packed.current(layer) and PackedWeights.takes(hidden):
             return packed(hidden)
+        if packed is not None and packed.current(layer) and hasattr(layer, "scales"):  # quantized on a CPU backend
+            return hidden @ packed.dequantized().T
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)

@@ -1,14 +1,15 @@
 """float16, bfloat16 and quantized: greedy speculative output agrees with AR of the same dtype (tie-aware rule,
 `bench.agreement`), and our quantized model matches mlx-lm's on the same packed weights.
 
-These dtypes are slow on MLX's CPU backend (no BLAS: float16 ~50x slower than float32 at decoding; a quantized
-model computes in float32 there, `loader.quantized_activations`, and still decodes ~8x slower). So the tests run
-the real SmolLM2-135M weights cut to their first layers (`agreement.load_first_layers`: the loader's own path for
-each dtype, the final norm and the full tied head kept): 4 layers in float16 / bfloat16, 3 in quantized, and few
-tokens. The shipped drafter reads target layers 2, 15 and 24 besides the
-last; on a cut target it reads the cut's last three layers instead (`shipped_for`: same weights, and exactness does
-not depend on which layers a drafter reads). The full model (10 MT-bench prompts x 64 tokens per dtype, and the
-calibration of the tie bound) is the offline report `python -m bench dtype-agreement`
+float16 and bfloat16 are slow on MLX's CPU backend (no BLAS: ~50x slower than float32 at decoding); a quantized
+model computes the float32 model's products from its packed weights there (`loader.quantized_activations`,
+`model.QuantizedFusedLinear`; tested bit for bit below), but mlx-lm's reference runs MLX's own quantized products,
+which cost per row. So the tests run the real SmolLM2-135M weights cut to their first layers
+(`agreement.load_first_layers`: the loader's own path for each dtype, the final norm and the full tied head kept):
+4 layers in float16 / bfloat16, 3 in quantized, and few tokens. The shipped drafter reads target layers 2, 15 and
+24 besides the last; on a cut target it reads the cut's last three layers instead (`shipped_for`: same weights,
+and exactness does not depend on which layers a drafter reads). The full model (10 MT-bench prompts x 64 tokens
+per dtype, and the calibration of the tie bound) is the offline report `python -m bench dtype-agreement`
 (bench/results/cpu/dtype-agreement/).
 """
 
@@ -138,6 +139,25 @@ def test_quantized_matches_mlx_lm(setups):
         diff, scale = mx.abs(a - b).max().item(), mx.abs(b).max().item()
         assert diff <= MLX_LM_TOLERANCE * u * scale, (diff, scale)
     assert mx.argmax(logits[0, -1]).item() == mx.argmax(ref_logits[0, -1]).item()
+
+
+def test_a_quantized_model_on_a_cpu_computes_the_float32_models_bits(setups):
+    """On a CPU backend a quantized model's products read its packed weights (few rows) or those weights dequantized
+    for the product (more rows): the logits and states of the float32 model loaded from the same file, bit for bit,
+    from 4-8 bits per weight."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("a GPU backend computes a quantized model in float16")
+    from mlx_redrafter.model import QuantizedFusedLinear
+
+    q = setup(setups, "quantized")["target"]
+    f = load_first_layers(None, LAYERS["quantized"], "float32")
+    assert isinstance(q.model.model.layers[0].self_attn.qkv, QuantizedFusedLinear)
+    ids = q.tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT + " And say why."}])
+    for n in (1, 6, 7, len(ids)):  # the packed kernel up to its row limit (6 here), then the dequantized weights
+        a, ha = q.model(mx.array([ids[:n]]), q.model.make_cache(n))
+        b, hb = f.model(mx.array([ids[:n]]), f.model.make_cache(n))
+        same_states = mx.array_equal(q.model.last_state(ha), f.model.last_state(hb)).item()  # (q reads tapped layers)
+        assert mx.array_equal(a, b).item() and same_states, n
 
 
 def test_quantized_drafter_is_dequantized_for_a_float32_cpu_target(tmp_path, caplog):
