@@ -178,3 +178,19 @@ def test_quantized_drafter_is_dequantized_for_a_float32_cpu_target(tmp_path, cap
     assert mx.array_equal(d.lm_head[-1].weight, mx.dequantize(q.weight, q.scales, q.biases, 64, 4))
     notices = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
     assert len(notices) == 1 and "4-bit" in notices[0]
+
+
+def test_auto_keeps_a_model_quantized_on_a_cpu_where_its_float32_copy_would_not_fit(caplog):
+    if mx.default_device() != mx.cpu:
+        pytest.skip("auto is float32 only on a CPU backend")
+    from mlx_redrafter.models.loader import available_memory, float32_bytes, pick_dtype, read_checkpoint, resolve_model
+
+    _, path = resolve_model(None)
+    _, weights, quant, _ = read_checkpoint(path)
+    size = float32_bytes(weights, quant)
+    assert size == 4 * 134_515_008  # SmolLM2-135M's parameters (tied head), from its packed Q8_0 / Q4_1 matrices
+    assert available_memory() > size and pick_dtype("auto", True, size) == "float32"
+    with caplog.at_level("WARNING", logger="mlx_redrafter"):
+        assert pick_dtype("auto", True, 2 * available_memory()) == "quantized"
+    assert any("keeps the model quantized" in r.getMessage() for r in caplog.records)
+    assert pick_dtype("auto", False, 2 * available_memory()) == "float32"  # nothing quantized to keep
