@@ -42,12 +42,11 @@ def float_list(text: str, flag: str) -> list[float]:
     return vals
 
 
-SLOW_ON_CPU = ("float16", "bfloat16")  # a quantized model runs on our packed-weight kernel there
-
-
 def warn_slow_dtypes(dtypes: list[str]) -> None:
     """One stderr line when a dtype that is slow on MLX's CPU backend is asked for on a CPU backend."""
     import mlx.core as mx
+
+    from mlx_redrafter.models.loader import SLOW_ON_CPU
 
     slow = [d for d in dtypes if d in SLOW_ON_CPU]
     if slow and mx.default_device() == mx.cpu:

@@ -228,7 +228,25 @@ class PackedWeights:
                    parts[0].bits, parts[0].group_size)
 
 
-class FusedLinear:
+class StackedProduct:
+    """Several linears over the same input computed as one product (`product`), their outputs split apart again; used
+    while the layers still hold the weights they held when it was built (`held`)."""
+
+    splits: list[int]
+    held: list[tuple[nn.Module, mx.array]]
+
+    def product(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def current(self) -> bool:
+        return held(self.held)
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        y = self.product(x)
+        return mx.split(y, self.splits, axis=-1) if self.splits else [y]
+
+
+class FusedLinear(StackedProduct):
     """One or several bias-free or all-biased `nn.Linear`s over the same input as one matrix product with a
     pre-transposed weight: fewer, larger products (one pass over the weights instead of several) and fewer graph
     nodes per call (no transpose, no split when one layer). Built at load time: the layers' weights become views
@@ -270,21 +288,14 @@ class FusedLinear:
                 and len({layer.weight.dtype for layer in layers}) == 1
                 and len({"bias" in layer for layer in layers}) == 1)
 
-    def current(self) -> bool:
-        return held(self.held)
-
     def product(self, x: mx.array) -> mx.array:
         """x @ (the layers' weights, stacked)^T (+ bias): every layer's outputs side by side."""
         if self.packed is not None and PackedWeights.takes(x):
             return self.packed(x)
         return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
-        y = self.product(x)
-        return mx.split(y, self.splits, axis=-1) if self.splits else [y]
 
-
-class QuantizedFusedLinear:
+class QuantizedFusedLinear(StackedProduct):
     """One or several bias-free `nn.QuantizedLinear`s over the same input, on a CPU backend with float32
     activations, as one product from their quantized weights alone: few rows (decoding steps) through the packed-weight
     kernel, more rows (prefills, large verify blocks) from the weights dequantized for that product into the BLAS.
@@ -309,27 +320,23 @@ class QuantizedFusedLinear:
 
     @staticmethod
     def supported(layers: list[nn.Module]) -> bool:
-        """Quantized linears of one format the packed-weight kernel reads, without bias, with float32 activations
-        on a CPU backend."""
-        return (mx.default_device() == mx.cpu and all(type(layer) is nn.QuantizedLinear for layer in layers)
-                and "bias" not in layers[0] and len({(layer.bits, layer.group_size) for layer in layers}) == 1
-                and all(layer.scales.dtype == mx.float32 for layer in layers)
-                and PackedWeights.supported(layers[0].bits, layers[0].group_size))
-
-    def current(self) -> bool:
-        return held(self.held)
+        """Quantized linears of one format, each `packed_on_cpu`."""
+        return (all(type(layer) is nn.QuantizedLinear and packed_on_cpu(layer) for layer in layers)
+                and len({(layer.bits, layer.group_size) for layer in layers}) == 1)
 
     def product(self, x: mx.array) -> mx.array:
         """x @ (the layers' dequantized weights, stacked)^T: every layer's outputs side by side."""
         return self.packed(x) if PackedWeights.takes(x) else x @ self.packed.dequantized().T
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
-        y = self.product(x)
-        return mx.split(y, self.splits, axis=-1) if self.splits else [y]
+
+def packed_on_cpu(layer: nn.Module) -> bool:
+    """A quantized linear or embedding whose products the packed-weight kernel serves: float32 scales and biases (a
+    model computing in float32), no bias, a format the kernel reads, a CPU backend."""
+    return (mx.default_device() == mx.cpu and hasattr(layer, "scales") and layer.scales.dtype == mx.float32
+            and "biases" in layer and "bias" not in layer and PackedWeights.supported(layer.bits, layer.group_size))
 
 
-def project(x: mx.array, fused: FusedLinear | QuantizedFusedLinear | None,
-            layers: list[nn.Module]) -> list[mx.array]:
+def project(x: mx.array, fused: StackedProduct | None, layers: list[nn.Module]) -> list[mx.array]:
     """The outputs of `layers` on x: one fused product when it is current, else one product per layer."""
     if fused is not None and fused.current():
         return fused(x)
@@ -598,8 +605,7 @@ class Model(nn.Module):
                 elif QuantizedFusedLinear.supported(linears):
                     setattr(module, fused, QuantizedFusedLinear(linears))
         head = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
-        if (hasattr(head, "scales") and head.scales.dtype == mx.float32 and mx.default_device() == mx.cpu
-                and "biases" in head and PackedWeights.supported(head.bits, head.group_size)):
+        if packed_on_cpu(head):
             PackedWeights.attach(head, head.weight, head.scales, head.biases, head.bits, head.group_size)
         self.compile_layers(True)
 
@@ -634,10 +640,11 @@ class Model(nn.Module):
         """Vocabulary logits from post-norm hidden states."""
         layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         packed = getattr(layer, "packed", None)
-        if packed is not None and packed.current(layer) and PackedWeights.takes(hidden):
-            return packed(hidden)
-        if packed is not None and packed.current(layer) and hasattr(layer, "scales"):  # quantized on a CPU backend
-            return hidden @ packed.dequantized().T
+        if packed is not None and packed.current(layer):
+            if PackedWeights.takes(hidden):
+                return packed(hidden)
+            if hasattr(layer, "scales"):  # kept quantized (on a CPU backend): no float32 weight to fall back on
+                return hidden @ packed.dequantized().T
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)

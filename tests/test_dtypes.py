@@ -183,7 +183,8 @@ def test_quantized_drafter_is_dequantized_for_a_float32_cpu_target(tmp_path, cap
 def test_auto_keeps_a_model_quantized_on_a_cpu_where_its_float32_copy_would_not_fit(caplog):
     if mx.default_device() != mx.cpu:
         pytest.skip("auto is float32 only on a CPU backend")
-    from mlx_redrafter.models.loader import available_memory, float32_bytes, pick_dtype, read_checkpoint, resolve_model
+    from mlx_redrafter.models.loader import float32_bytes, pick_dtype, read_checkpoint, resolve_model
+    from mlx_redrafter.system.machine import available_memory
 
     _, path = resolve_model(None)
     _, weights, quant, _ = read_checkpoint(path)

@@ -220,6 +220,8 @@ def decoding_notes(lm: Any, res: Any) -> list[str]:
     was found for `auto`, a tuned plain-AR entry overridden by a drafting flag, a dtype that is slow on a CPU."""
     import mlx.core as mx
 
+    from mlx_redrafter.models.loader import SLOW_ON_CPU
+
     notes = list(res.notes)
     if res.options.draft == modes.AUTO and lm.drafter is None:
         notes.append(f"no drafter for {lm.target.name}: --draft auto drafts by lookup (copying from the context)")
@@ -230,11 +232,6 @@ def decoding_notes(lm: Any, res: Any) -> list[str]:
                      "as float32")
     return notes
 
-
-# How much slower than float32 each dtype decodes on a CPU backend (SmolLM2-135M, one Zen 3 core: float32 ~48
-# tokens/s, float16 ~0.9). A quantized model is not among them: it computes the float32 model's products from its
-# packed weights (model.QuantizedFusedLinear), ~1.1x the float32 time in half the memory.
-SLOW_ON_CPU = {"float16": "~50x", "bfloat16": "~50x"}
 
 
 def shape_text(s: dict) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from mlx_redrafter.models.gguf import gguf_weights, read_gguf
 from mlx_redrafter.models.templates import pick_template
 from mlx_redrafter.models.tokenizer import TextTokenizer
 from mlx_redrafter.system import packed_linear
+from mlx_redrafter.system.machine import available_memory
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,6 +28,10 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {m.name: m.repo + (f"/{m.file}" if m.file else "") for m in registry.MODELS if m.repo}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "quantized")
+# How much slower than float32 a dtype decodes on a CPU backend, where MLX computes it in software (SmolLM2-135M,
+# one Zen 3 core: bench/results/cpu-avx2/quantized-cpu-20261129/). A quantized model is not among them: there it
+# computes the float32 model's products from its packed weights (model.QuantizedFusedLinear).
+SLOW_ON_CPU = {"float16": "~50x", "bfloat16": "~50x"}
 
 
 @dataclass
@@ -113,20 +117,6 @@ def float32_bytes(weights: dict[str, mx.array], quant: dict[str, dict]) -> int:
             values += v.size
     return 4 * values
 
-
-def available_memory() -> int:
-    """Bytes the system can give a process now (Linux: MemAvailable), else its physical memory; 0 if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def quantized_activations() -> mx.Dtype:

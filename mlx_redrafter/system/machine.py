@@ -46,12 +46,29 @@ def _cpu_features() -> str:
     return ",".join(x for x in _FEATURES if x in have)
 
 
+def physical_memory() -> int:
+    """Physical memory in bytes (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def available_memory() -> int:
+    """Bytes the system can give a process now (Linux: MemAvailable), else its physical memory (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory()
+
+
 def _memory_gb() -> float:
     """Physical memory in GB (0 when unknown)."""
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
-    except (ValueError, OSError, AttributeError):
-        return 0.0
+    return round(physical_memory() / 1e9, 1)
 
 
 def _version(pkg: str) -> str:
