@@ -51,7 +51,7 @@ def warn_slow_dtypes(dtypes: list[str]) -> None:
     slow = [d for d in dtypes if d in SLOW_ON_CPU]
     if slow and mx.default_device() == mx.cpu:
         typer.echo(f"warning: {', '.join(slow)} on a CPU backend: MLX's CPU float16 / bfloat16 matmuls skip BLAS and "
-                   "run ~50x slower than float32: expect a long run (see bench/README.md)", err=True)
+                   "run 6-25x slower than float32: expect a long run (see bench/README.md)", err=True)
 
 
 def dtype_list(text: str) -> list[str]:

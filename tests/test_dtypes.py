@@ -1,8 +1,8 @@
 """float16, bfloat16 and quantized: greedy speculative output agrees with AR of the same dtype (tie-aware rule,
 `bench.agreement`), and our quantized model matches mlx-lm's on the same packed weights.
 
-float16 and bfloat16 are slow on MLX's CPU backend (no BLAS: ~50x slower than float32 at decoding); a quantized
-model computes the float32 model's products from its packed weights there (`loader.quantized_activations`,
+float16 and bfloat16 are slow on MLX's CPU backend (no BLAS: ~25x and ~6x slower than float32 at decoding); a
+quantized model computes the float32 model's products from its packed weights there (`loader.quantized_activations`,
 `model.QuantizedFusedLinear`; tested bit for bit below), but mlx-lm's reference runs MLX's own quantized products,
 which cost per row. So the tests run the real SmolLM2-135M weights cut to their first layers
 (`agreement.load_first_layers`: the loader's own path for each dtype, the final norm and the full tied head kept):

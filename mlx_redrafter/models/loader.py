@@ -29,9 +29,9 @@ ALIASES = {m.name: m.repo + (f"/{m.file}" if m.file else "") for m in registry.M
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "quantized")
 # How much slower than float32 a dtype decodes on a CPU backend, where MLX computes it in software (SmolLM2-135M,
-# one Zen 3 core: bench/results/cpu-avx2/quantized-cpu-20261129/). A quantized model is not among them: there it
-# computes the float32 model's products from its packed weights (model.QuantizedFusedLinear).
-SLOW_ON_CPU = {"float16": "~50x", "bfloat16": "~50x"}
+# one Zen 3 core, 16 tokens: bench/results/cpu-avx2/quantized-cpu-20261129/cli*.txt). A quantized model is not among
+# them: there it computes the float32 model's products from its packed weights (model.QuantizedFusedLinear).
+SLOW_ON_CPU = {"float16": "~25x", "bfloat16": "~6x"}
 
 
 @dataclass
