@@ -43,13 +43,12 @@ chat: $(STAMP)  ## chat with the embedded default model
 # The suite runs in TEST_WORKERS processes (pytest-xdist, one test module per worker at a time) with one BLAS
 # thread each: a test's time is mostly single-threaded graph building and small products, so two processes
 # keep two cores busy where one process kept 1.2 busy. TEST_WORKERS=0 runs it in this process (all threads).
-# Modules are handed out longest first (tests/conftest.py), not by xdist's count of tests per module.
 TEST_WORKERS ?= 2
 ONE_THREAD = $(if $(filter 0,$(TEST_WORKERS)),,MKL_NUM_THREADS=1 REDRAFTER_THREADS=1)
 
 test: $(VENV)/.torch $(VENV)/.browser  ## run the test suite (installs the torch extra and, with apt, a browser)
 	$(BYTECODE)
-	$(ONE_THREAD) $(BIN)/python -m pytest -q tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	$(ONE_THREAD) $(BIN)/python -m pytest -q tests -n $(TEST_WORKERS) --dist loadscope
 
 fuzz: $(VENV)/.torch  ## >= 1,000 random exactness cases (FUZZ_CASES=N): speculative == AR, fp32; parser fuzzing
 	$(BIN)/python -m pytest -q -s -m fuzz tests/test_fuzz.py tests/test_fuzz_parsers.py

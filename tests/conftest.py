@@ -14,19 +14,6 @@ install_blas()  # as every entry point does: before any test module imports mlx.
 os.environ.setdefault("REDRAFTER_SETTLE_S", "0")
 
 
-# Test modules by the worker-seconds they took (bench/results/cpu-avx2/test-durations-*/), longest first; the rest
-# follow in collection order. With one module per worker at a time, a long module handed out last would keep one
-# worker busy alone at the end of the run (xdist's own order, by number of tests, did that to the sampling tests).
-LONGEST_FIRST = ("test_exactness", "test_batch", "test_train", "test_sampling", "test_cuda_job", "test_server",
-                 "test_dtypes", "test_bad_models", "test_bad_drafters", "test_drafter_kinds", "test_cli",
-                 "test_bad_training", "test_feature_layers", "test_parity", "test_chat", "test_blas")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: order within a module kept
-
-
 _loaded: list = []  # the session's target once a test asked for it
 
 

@@ -233,7 +233,6 @@ def decoding_notes(lm: Any, res: Any) -> list[str]:
     return notes
 
 
-
 def shape_text(s: dict) -> str:
     """The draft shape of `api.settings` as ' W=.. L=.. lookup-W=..' (the parts that apply)."""
     return "".join(f" {label}={s[key]}" for key, label in (("beam_width", "W"), ("beam_length", "L"),
