@@ -465,7 +465,9 @@ class CompiledLayer:
     work; the arithmetic and its order are those of the modules' own path (same bits). Used for calls of up to
     `MAX_TOKENS` tokens per row (decoding, verification, drafting data; prefills of every length would each trace
     anew, for a building cost they do not notice), on the CPU, while every layer's products are the bias-free fused
-    ones (`Model.fuse_projections`) and no weight it reads has been replaced since it was built."""
+    ones (`Model.fuse_projections`) and no weight it reads has been replaced since it was built. A model kept
+    quantized (`QuantizedFusedLinear`) runs through them while its products read the packed weights (up to
+    `packed_linear.max_rows()` rows), larger calls through the modules."""
 
     MAX_TOKENS = 64
 
@@ -491,46 +493,56 @@ class CompiledLayer:
             return mx.compile(before), mx.compile(after), mx.compile(before), mx.compile(after)
 
         self.functions = functions(lambda x, w_t: x @ w_t)
-        self.weights: list[tuple[mx.array, ...]] | None = []  # per layer: what its two functions read
-        self.packed_functions, self.packed_weights = None, None  # the same from quantized weights (PackedWeights)
+        # per layer, what its two functions read: the float weights (transposed) and, where the products have
+        # them, the quantized weights (PackedWeights: the same bits for few rows)
+        self.weights: list[tuple] | None = []
+        self.packed_weights: list[tuple] | None = []
+        self.packed_functions = None
         self.held: list[tuple[nn.Module, mx.array]] = []  # (module, its weight when built): checked every call
-        packed: list[tuple] | None = []
         formats: set[tuple[int, int]] = set()
         for b in blocks:
             a, p = b.self_attn, b.mlp
             fused = (a.qkv, a.o, p.gate_up, p.down)
-            if (any(not isinstance(f, FusedLinear) or f.bias is not None for f in fused)
+            if (any(not isinstance(f, (FusedLinear, QuantizedFusedLinear)) or f.bias is not None for f in fused)
                     or len(p.gate_up.splits) != 1):
-                self.weights = None
+                self.weights = self.packed_weights = None
                 break
             norms = (b.input_layernorm.weight, b.post_attention_layernorm.weight)
-            self.weights.append((norms[0], a.qkv.weight_t, a.o.weight_t, norms[1], p.gate_up.weight_t,
-                                 p.down.weight_t))
-            if packed is not None and all(f.packed is not None for f in fused):
+            if self.weights is not None and all(f.weight_t is not None for f in fused):
+                self.weights.append((norms[0], a.qkv.weight_t, a.o.weight_t, norms[1], p.gate_up.weight_t,
+                                     p.down.weight_t))
+            else:  # kept quantized: no float weight to multiply by
+                self.weights = None
+            if self.packed_weights is not None and all(f.packed is not None for f in fused):
                 q = [(f.packed.weight, f.packed.scales, f.packed.biases) for f in fused]
-                packed.append((norms[0], q[0], q[1], norms[1], q[2], q[3]))
+                self.packed_weights.append((norms[0], q[0], q[1], norms[1], q[2], q[3]))
                 formats |= {(f.packed.bits, f.packed.group_size) for f in fused}
             else:
-                packed = None
+                self.packed_weights = None
             self.held += [pair for f in fused for pair in f.held]
             self.held += [(b.input_layernorm, b.input_layernorm.weight),
                           (b.post_attention_layernorm, b.post_attention_layernorm.weight)]
-        if self.weights is not None and packed and len(formats) == 1:
+        if self.packed_weights and len(formats) == 1:
             bits, group = formats.pop()
-            self.packed_weights = packed
             self.packed_functions = functions(
                 lambda x, w: packed_linear.quantized_product(x, *w, bits, group))
+        else:
+            self.packed_weights = None
 
-    def usable(self, tokens: int) -> bool:
-        """Whether a call of `tokens` tokens per row runs through the compiled functions now."""
-        return (self.weights is not None and tokens <= self.MAX_TOKENS and mx.default_device() == mx.cpu
-                and held(self.held))
+    def usable(self, tokens: int, rows: int = 1) -> bool:
+        """Whether a call of `tokens` tokens per batch row, whose products have `rows` rows, runs through the
+        compiled functions now (a model kept quantized: while its products read the packed weights)."""
+        if tokens > self.MAX_TOKENS or mx.default_device() != mx.cpu:
+            return False
+        if self.weights is None and not (self.packed_weights is not None and rows <= packed_linear.max_rows()):
+            return False
+        return held(self.held)
 
     def __call__(self, layer: int, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None,
                  cache: KVCache, ragged: Ragged | None = None) -> mx.array:
         """Layer `layer` on x (B * N, dim) -> (B * N, dim) (ragged rows: (T, dim) -> (T, dim)), as
         `TransformerBlock` computes it."""
-        packed = self.packed_weights is not None and PackedWeights.takes(x)
+        packed = self.packed_weights is not None and (self.weights is None or PackedWeights.takes(x))
         before, after, before_ragged, after_ragged = self.packed_functions if packed else self.functions
         norm1, qkv, o, norm2, gate_up, down = (self.packed_weights if packed else self.weights)[layer]
         if ragged is None:
@@ -674,7 +686,7 @@ class Model(nn.Module):
         # (B * N, H) or, ragged, (T, H): two-dimensional products, fewer graph nodes
         x = self.embed(tokens).reshape(B * N, -1) if ragged is None else self.embed(ragged.flat(tokens))
         rope = self.rope(positions, x.dtype)  # (B, N, ...): applied once the tokens are laid out in rows
-        compiled = self.compiled if self.compiled is not None and self.compiled.usable(N) else None
+        compiled = self.compiled if self.compiled is not None and self.compiled.usable(N, x.shape[0]) else None
         taps = []
         for i, layer in enumerate(self.model.layers):
             x = (layer(x, (B, N), rope, mask, cache, i, ragged) if compiled is None

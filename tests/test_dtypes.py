@@ -26,6 +26,7 @@ from mlx_redrafter import api
 from mlx_redrafter.draft.redrafter import random_drafter
 from mlx_redrafter.generate import Stats, collect
 from mlx_redrafter.models.loader import quantized_activations
+from mlx_redrafter.system import packed_linear
 
 LAYERS = {"float16": 4, "bfloat16": 4, "quantized": 3}
 CHAT_PROMPT = "Name three colors, one per line."
@@ -142,9 +143,9 @@ def test_quantized_matches_mlx_lm(setups):
 
 
 def test_a_quantized_model_on_a_cpu_computes_the_float32_models_bits(setups):
-    """On a CPU backend a quantized model's products read its packed weights (few rows) or those weights dequantized
-    for the product (more rows): the logits and states of the float32 model loaded from the same file, bit for bit,
-    from 4-8 bits per weight."""
+    """On a CPU backend a quantized model's products read its packed weights (few rows, through the compiled layers)
+    or those weights dequantized for the product (more rows, through the modules): the logits and states of the
+    float32 model loaded from the same file, bit for bit, from 4-8 bits per weight."""
     if mx.default_device() != mx.cpu:
         pytest.skip("a GPU backend computes a quantized model in float16")
     from mlx_redrafter.model import QuantizedFusedLinear
@@ -152,6 +153,8 @@ def test_a_quantized_model_on_a_cpu_computes_the_float32_models_bits(setups):
     q = setup(setups, "quantized")["target"]
     f = load_first_layers(None, LAYERS["quantized"], "float32")
     assert isinstance(q.model.model.layers[0].self_attn.qkv, QuantizedFusedLinear)
+    rows = packed_linear.max_rows()
+    assert q.model.compiled.usable(1, rows) and not q.model.compiled.usable(rows + 1, rows + 1)
     ids = q.tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT + " And say why."}])
     for n in (1, 6, 7, len(ids)):  # the packed kernel up to its row limit (6 here), then the dequantized weights
         a, ha = q.model(mx.array([ids[:n]]), q.model.make_cache(n))
