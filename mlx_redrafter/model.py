@@ -208,9 +208,10 @@ class PackedWeights:
         return bits in (4, 8) and group_size % 16 == 0 and packed_linear.max_rows() > 0
 
     @staticmethod
-    def takes(x: mx.array) -> bool:
-        """Whether a product of x (..., K) reads the packed weight: few rows (a prefill's arithmetic dominates)."""
-        return math.prod(x.shape[:-1]) <= packed_linear.max_rows()
+    def takes(x: mx.array, kept_quantized: bool = False) -> bool:
+        """Whether a product of x (..., K) reads the packed weight: few rows (a prefill's arithmetic dominates);
+        `kept_quantized`: for a layer without float32 weights, whose alternative is dequantizing them."""
+        return math.prod(x.shape[:-1]) <= packed_linear.max_rows(kept_quantized)
 
     def __call__(self, x: mx.array) -> mx.array:
         return packed_linear.quantized_product(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
@@ -297,8 +298,9 @@ class FusedLinear(StackedProduct):
 
 class QuantizedFusedLinear(StackedProduct):
     """One or several bias-free `nn.QuantizedLinear`s over the same input, on a CPU backend with float32
-    activations, as one product from their quantized weights alone: few rows (decoding steps) through the packed-weight
-    kernel, more rows (prefills, large verify blocks) from the weights dequantized for that product into the BLAS.
+    activations, as one product from their quantized weights alone: up to `packed_linear.max_rows(kept_quantized=True)`
+    rows (decoding, verification and batched steps) through the packed-weight kernel, more (prefills) from the
+    weights dequantized for that product into the BLAS.
     MLX's own CPU quantized products cost ~30-50 ms per row for a 49152 x 576 matrix, ours what reading the weights
     costs. The float32 bits of the dequantized weights' products, as the float32 model has them. Built at load time:
     the layers' packed arrays become views into the stacked ones; `current()` as for `FusedLinear`."""
@@ -326,7 +328,7 @@ class QuantizedFusedLinear(StackedProduct):
 
     def product(self, x: mx.array) -> mx.array:
         """x @ (the layers' dequantized weights, stacked)^T: every layer's outputs side by side."""
-        return self.packed(x) if PackedWeights.takes(x) else x @ self.packed.dequantized().T
+        return self.packed(x) if PackedWeights.takes(x, kept_quantized=True) else x @ self.packed.dequantized().T
 
 
 def packed_on_cpu(layer: nn.Module) -> bool:
@@ -467,7 +469,7 @@ class CompiledLayer:
     anew, for a building cost they do not notice), on the CPU, while every layer's products are the bias-free fused
     ones (`Model.fuse_projections`) and no weight it reads has been replaced since it was built. A model kept
     quantized (`QuantizedFusedLinear`) runs through them while its products read the packed weights (up to
-    `packed_linear.max_rows()` rows), larger calls through the modules."""
+    `packed_linear.max_rows(kept_quantized=True)` rows), larger calls through the modules."""
 
     MAX_TOKENS = 64
 
@@ -534,7 +536,8 @@ class CompiledLayer:
         compiled functions now (a model kept quantized: while its products read the packed weights)."""
         if tokens > self.MAX_TOKENS or mx.default_device() != mx.cpu:
             return False
-        if self.weights is None and not (self.packed_weights is not None and rows <= packed_linear.max_rows()):
+        if self.weights is None and not (self.packed_weights is not None
+                                         and rows <= packed_linear.max_rows(kept_quantized=True)):
             return False
         return held(self.held)
 
@@ -653,9 +656,10 @@ class Model(nn.Module):
         layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         packed = getattr(layer, "packed", None)
         if packed is not None and packed.current(layer):
-            if PackedWeights.takes(hidden):
+            kept = hasattr(layer, "scales")  # kept quantized (on a CPU backend): no float32 weight to fall back on
+            if PackedWeights.takes(hidden, kept):
                 return packed(hidden)
-            if hasattr(layer, "scales"):  # kept quantized (on a CPU backend): no float32 weight to fall back on
+            if kept:
                 return hidden @ packed.dequantized().T
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)

@@ -153,10 +153,11 @@ def test_a_quantized_model_on_a_cpu_computes_the_float32_models_bits(setups):
     q = setup(setups, "quantized")["target"]
     f = load_first_layers(None, LAYERS["quantized"], "float32")
     assert isinstance(q.model.model.layers[0].self_attn.qkv, QuantizedFusedLinear)
-    rows = packed_linear.max_rows()
-    assert q.model.compiled.usable(1, rows) and not q.model.compiled.usable(rows + 1, rows + 1)
-    ids = q.tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT + " And say why."}])
-    for n in (1, 6, 7, len(ids)):  # the packed kernel up to its row limit (6 here), then the dequantized weights
+    rows = packed_linear.max_rows(kept_quantized=True)
+    assert q.model.compiled.usable(1, rows) and not q.model.compiled.usable(1, rows + 1)
+    ids = q.tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPT + " And say why."}]) * 3
+    assert len(ids) > rows
+    for n in (1, 6, 7, 40, len(ids)):  # the packed kernel in one pass, in passes over the rows, then dequantized
         a, ha = q.model(mx.array([ids[:n]]), q.model.make_cache(n))
         b, hb = f.model(mx.array([ids[:n]]), f.model.make_cache(n))
         same_states = mx.array_equal(q.model.last_state(ha), f.model.last_state(hb)).item()  # (q reads tapped layers)

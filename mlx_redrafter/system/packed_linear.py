@@ -30,6 +30,11 @@ KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight ker
 # MEASURED.md, 2026-11-28); AVX2 on Zen 3 (bench/results/cpu-avx2/MEASURED.md, 2026-11-28). Either way the result has
 # the float32 product's bits: the small-GEMM kernel computes those up to 128 rows (AVX2) or any (AVX-512).
 MAX_ROWS = {"avx512": 24, "avx2": 6}
+# Rows up to which a model kept quantized (no float32 copy) reads its packed weights; past them its products
+# dequantize the weights for that one product into the BLAS. One thread on Zen 3, a forward of the embedded model
+# after 200 tokens: kernel / dequantized 82 / 198 ms at 8 rows, 313 / 340 at 32, 556 / 595 at 64, 1182 / 1125 at
+# 128 (bench/results/cpu-avx2/quantized-rows-20261129/). AVX-512 takes the AVX2 figure, not measured there.
+KEPT_QUANTIZED_MAX_ROWS = {"avx512": 64, "avx2": 64}
 
 
 def load(threads: int, expected: bool) -> str:
@@ -45,9 +50,10 @@ def usable() -> bool:
     return KERNEL.module is not None and mx.default_device() == mx.cpu
 
 
-def max_rows() -> int:
-    """Rows up to which a target's product reads its packed weights; 0 where the kernel does not serve targets."""
-    return MAX_ROWS.get(KERNEL.isa, 0) if usable() else 0
+def max_rows(kept_quantized: bool = False) -> int:
+    """Rows up to which a target's product reads its packed weights (`kept_quantized`: a model without float32
+    weights); 0 where the kernel does not serve targets."""
+    return (KEPT_QUANTIZED_MAX_ROWS if kept_quantized else MAX_ROWS).get(KERNEL.isa, 0) if usable() else 0
 
 
 def half_product(x, weight, bias=None):
