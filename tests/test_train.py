@@ -12,7 +12,7 @@ from mlx_redrafter.cmd.app import app
 from mlx_redrafter.draft.redrafter import load_drafter, random_drafter, save_drafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.train.corpus import Corpus, load_shard
-from mlx_redrafter.train.distill import grow, partial_path
+from mlx_redrafter.train.distill import grow, partial_path, partial_states_path
 from mlx_redrafter.train.features import feature_paths, teacher_forced
 from mlx_redrafter.train.greedy import GreedySource, follow_up_suffix, generate_greedy
 from mlx_redrafter.train.loop import TrainConfig, train_drafter
@@ -177,8 +177,13 @@ def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_
     assert all(np.array_equal(a, b) for a, b in zip(resumed.hidden, fresh.hidden))
     assert resumed.info["resumed_seconds"] > 0 and resumed.info["resumed_cpu_seconds"] > 0
     assert "resumed_seconds" not in fresh.info
+    assert partial_path(corpus, job.name).parent.name == "partial"  # committed with the corpus
+    partial_states_path(corpus, job.name).unlink()  # the states stay on the machine that captured them
+    elsewhere = source.make(job, corpus, lambda units, tokens: new_tokens.append(tokens))
+    assert elsewhere.seqs == fresh.seqs and elsewhere.hidden is None  # features rebuilt by the teacher-forced pass
     grow(source, target, tmp_path / "c", max_shards=1, progress=False, log=lambda m: None)
     assert not partial_path(corpus, job.name).exists()  # removed once the shard is written
+    assert not partial_path(corpus, job.name).parent.exists()
     entry = Corpus(tmp_path / "c").entries[job.name]  # every batch came from the partial file: its cost is theirs
     assert entry["cpu_seconds"] > 0 and entry["seconds"] > 0 and "resumed_seconds" not in entry
 

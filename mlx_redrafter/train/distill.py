@@ -14,6 +14,7 @@ modulo N), bounded by shards or hours, with progress and an ETA.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -85,10 +86,21 @@ class SequenceSource(Protocol):
     # `make_group(jobs, corpus, progress) -> list[Made]` (them made together), used by `grow` where present.
 
 
+PARTIAL_DIR = "partial"  # a corpus' shards being made: committed beside it, removed once each shard is written
+
+
 def partial_path(corpus: Corpus, name: str) -> Path:
-    """Where a source may keep the finished part of shard `name` while making it, so that an interrupted run
-    resumes inside the shard (a dot file beside the corpus, ignored by git; removed once the shard is written)."""
-    return corpus.root / f".{name}.partial.npz"
+    """Where a source may keep the finished part of shard `name` while making it (token ids and what they cost),
+    so that an interrupted run resumes inside the shard: `partial/<name>` in the corpus, committed with it, so that
+    a shard that takes longer than a machine keeps its files resumes on the next one; removed once the shard is
+    written."""
+    return corpus.root / PARTIAL_DIR / name
+
+
+def partial_states_path(corpus: Corpus, name: str) -> Path:
+    """Where a source keeps the hidden states it captured with the finished part of shard `name`: a dot file beside
+    the corpus, ignored by git (states are local, derived data; where they are missing the features are rebuilt)."""
+    return corpus.root / f".{name}.states.partial.npz"
 
 
 def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tuple[int, int] = (0, 1),
@@ -152,7 +164,10 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
             # has its own seconds) says what they cost there instead
             **({} if "seconds" in info else {"cpu_seconds": round(cpu_seconds, 1)}), **info,
         })
-        partial_path(corpus, job.name).unlink(missing_ok=True)
+        for path in (partial_path(corpus, job.name), partial_states_path(corpus, job.name)):
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the folder of shards being made, once none is left
+            partial_path(corpus, job.name).parent.rmdir()
         log(f"{job.name}: {source.kind} turn {job.turn} {job.split}, {len(made.seqs)} sequences, {resp} response "
             f"tokens, {seconds:.0f} s ({resp / max(seconds, 1e-9):.0f} tok/s); corpus "
             f"{corpus.stats()['response_tokens']} response tokens")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import time
+import zipfile
 from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ from mlx_redrafter.models.loader import Target
 from mlx_redrafter.sampling import GREEDY
 from mlx_redrafter.train.batch import left_padded
 from mlx_redrafter.train.corpus import Corpus, load_shard, sha256_file
-from mlx_redrafter.train.distill import Made, partial_path
+from mlx_redrafter.train.distill import Made, partial_path, partial_states_path
 from mlx_redrafter.train.plan import FOLLOW_UPS, LICENSES, Job, Settings, follow_choice, plan_jobs, plan_order
 
 ROOM = 256  # free slots the running cache keeps after its rows' entries when a group joins
@@ -185,48 +186,64 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
 
 
 class Partial:
-    """The finished batches of a shard being made, kept beside the corpus (`.shard-NNNNN.npz.partial.npz`, never
-    committed) so that an interrupted `distill` resumes inside the shard instead of starting it again. Greedy
-    answers are deterministic, so a resumed shard equals an uninterrupted one. The file also keeps what its batches
-    cost (wall and CPU seconds), so that the shard's manifest entry counts the time before the interruption. It is
-    keyed by the prompts and settings; one that does not match (or does not load) is ignored and overwritten."""
+    """The finished batches of a shard being made, so that an interrupted `distill` resumes inside the shard
+    instead of starting it again (greedy answers are deterministic: a resumed shard equals an uninterrupted one).
+    Two files (`distill.partial_path`, `partial_states_path`): the answers' token ids with what their batches cost
+    (wall and CPU seconds, so that the shard's manifest entry counts the time before the interruption), committed
+    with the corpus; with `capture`, the hidden states beside them, local. Both are keyed by the prompts and
+    settings; one that does not match (or does not load) is ignored and overwritten. Answers whose states are
+    missing (another machine made them) resume without states: the shard then carries none, and its features are
+    rebuilt by the teacher-forced pass."""
 
-    def __init__(self, path: Path, prompts: list[list[int]], max_new_tokens: int, capture: bool):
+    def __init__(self, path: Path, states_path: Path, prompts: list[list[int]], max_new_tokens: int,
+                 capture: bool):
         h = hashlib.sha256(f"{max_new_tokens}:{capture}:".encode())
         for p in prompts:
             h.update(np.asarray(p, dtype=np.int64).tobytes() + b"|")
-        self.path, self.key, self.capture = path, h.hexdigest(), capture
+        self.path, self.states_path, self.key, self.capture = path, states_path, h.hexdigest(), capture
 
     def load(self) -> tuple[dict[int, list[int]], dict[int, np.ndarray], tuple[float, float]]:
-        """The saved responses, hidden states and (wall, CPU) seconds their batches cost (0 where a file made
-        before the costs were kept does not say)."""
-        if not self.path.exists():
+        """The saved responses, the hidden states saved with them (with `capture`, where present) and the (wall,
+        CPU) seconds their batches cost."""
+        z = self._read(self.path)
+        if z is None:
             return {}, {}, (0.0, 0.0)
-        try:
-            with np.load(self.path, allow_pickle=False) as z:
-                if str(z["key"]) != self.key:
-                    return {}, {}, (0.0, 0.0)
-                idx, offsets, tokens = z["index"].tolist(), z["offsets"], z["tokens"]
-                responses = {i: tokens[offsets[k]:offsets[k + 1]].tolist() for k, i in enumerate(idx)}
-                hidden = z["hidden"] if self.capture else None  # each z[...] reads the array from the file anew
-                hiddens = {i: hidden[offsets[k]:offsets[k + 1]] for k, i in enumerate(idx)} if self.capture else {}
-                spent = tuple(float(x) for x in z["spent"]) if "spent" in z.files else (0.0, 0.0)
-        except (OSError, ValueError, KeyError, IndexError):
-            return {}, {}, (0.0, 0.0)
+        idx, offsets, tokens = z["index"].tolist(), z["offsets"], z["tokens"]
+        responses = {i: tokens[offsets[k]:offsets[k + 1]].tolist() for k, i in enumerate(idx)}
+        spent = (float(z["spent"][0]), float(z["spent"][1]))
+        hiddens = {}
+        states = self._read(self.states_path) if self.capture else None
+        if states is not None:
+            s_offsets, hidden = states["offsets"], states["hidden"]
+            hiddens = {i: hidden[s_offsets[k]:s_offsets[k + 1]] for k, i in enumerate(states["index"].tolist())
+                       if i in responses and s_offsets[k + 1] - s_offsets[k] == len(responses[i])}
         return responses, hiddens, spent
+
+    def _read(self, path: Path) -> dict[str, np.ndarray] | None:
+        """A file's arrays if it exists, loads and has this key."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            return None
+        return arrays if str(arrays.get("key")) == self.key else None
 
     def save(self, responses: dict[int, list[int]], hiddens: dict[int, np.ndarray],
              spent: tuple[float, float] = (0.0, 0.0)) -> None:
         idx = sorted(responses)
         offsets = np.cumsum([0] + [len(responses[i]) for i in idx])
-        arrays = {"key": np.array(self.key), "index": np.array(idx, dtype=np.int64), "offsets": offsets,
-                  "tokens": np.array([t for i in idx for t in responses[i]], dtype=np.int64),
-                  "spent": np.array(spent, dtype=np.float64)}
-        if self.capture:
-            arrays["hidden"] = np.concatenate([hiddens[i] for i in idx])
         buf = io.BytesIO()
-        np.savez(buf, **arrays)
+        np.savez_compressed(buf, key=np.array(self.key), index=np.array(idx, dtype=np.int64), offsets=offsets,
+                            tokens=np.array([t for i in idx for t in responses[i]], dtype=np.int32),
+                            spent=np.array(spent, dtype=np.float64))
         write_atomic(self.path, buf.getvalue())
+        have = [i for i in idx if i in hiddens]
+        if self.capture and have:
+            buf = io.BytesIO()
+            np.savez(buf, key=np.array(self.key), index=np.array(have, dtype=np.int64),
+                     offsets=np.cumsum([0] + [len(hiddens[i]) for i in have]),
+                     hidden=np.concatenate([hiddens[i] for i in have]))
+            write_atomic(self.states_path, buf.getvalue())
 
 
 def follow_up_suffix(target: Target, text: str) -> list[int]:
@@ -293,7 +310,8 @@ class GreedySource:
         keep = [i for i, x in enumerate(ids) if x is not None and 0 < len(x) <= s.max_prompt_tokens]
         prompts = [ids[i] for i in keep]
         by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
-        saved = Partial(partial_path(corpus, job.name), prompts, s.max_new_tokens, self.capture)
+        saved = Partial(partial_path(corpus, job.name), partial_states_path(corpus, job.name), prompts,
+                        s.max_new_tokens, self.capture)
         responses, hiddens, (wall0, cpu0) = saved.load()
         t0, c0 = time.perf_counter(), time.process_time()
         for b in range(0, len(by_len), s.batch_size):
@@ -319,7 +337,8 @@ class GreedySource:
         sources = Counter(self.rows[self.order[r]].get("source", "") for r in index)
         return Made(
             seqs=[prompts[i] + responses[i] for i in range(len(prompts))], prompt_lens=[len(p) for p in prompts],
-            index=index, turns=job.turn, hidden=[hiddens[i] for i in range(len(prompts))] if self.capture else None,
+            index=index, turns=job.turn,
+            hidden=[hiddens[i] for i in range(len(prompts))] if self.capture and len(hiddens) == len(prompts) else None,
             info={"skipped_prompts": len(job.rows) - len(keep), "sources": dict(sorted(sources.items())),
                   "eos_stops": sum(1 for r in responses.values() if r and r[-1] in eos),
                   **({"made_with": made_with} if made_with else {}),
@@ -350,8 +369,9 @@ class GreedySource:
         keep = [[i for i, x in enumerate(p) if x is not None and 0 < len(x[0]) + len(x[1]) <= s.max_prompt_tokens]
                 for p in parts]
         slot = [{i: k for k, i in enumerate(kept)} for kept in keep]  # row position -> index among a job's prompts
-        saved = [Partial(partial_path(corpus, j.name), [parts[g][i][0] + parts[g][i][1] for i in kept],
-                         s.max_new_tokens, self.capture) for g, (j, kept) in enumerate(zip(jobs, keep))]
+        saved = [Partial(partial_path(corpus, j.name), partial_states_path(corpus, j.name),
+                         [parts[g][i][0] + parts[g][i][1] for i in kept], s.max_new_tokens, self.capture)
+                 for g, (j, kept) in enumerate(zip(jobs, keep))]
         loaded = [sv.load() for sv in saved]
         responses, hiddens = [x[0] for x in loaded], [x[1] for x in loaded]
         t0, c0 = time.perf_counter(), time.process_time()
