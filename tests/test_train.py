@@ -155,7 +155,7 @@ def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target
         Corpus(root).shards()
 
 
-def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_file, tmp_path):
+def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_file, tmp_path, capsys):
     """A kill inside a shard keeps its finished batches; the resumed shard equals an uninterrupted one, and its
     manifest entry counts what the batches made before the kill cost."""
     settings = Settings(max_new_tokens=8, shard_size=4, batch_size=2, heldout=4, turn2_every=2)
@@ -181,7 +181,10 @@ def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_
     partial_states_path(corpus, job.name).unlink()  # the states stay on the machine that captured them
     elsewhere = source.make(job, corpus, lambda units, tokens: new_tokens.append(tokens))
     assert elsewhere.seqs == fresh.seqs and elsewhere.hidden is None  # features rebuilt by the teacher-forced pass
-    grow(source, target, tmp_path / "c", max_shards=1, progress=False, log=lambda m: None)
+    logged = []
+    grow(source, target, tmp_path / "c", max_shards=1, progress=True, log=logged.append)
+    assert logged[0].startswith("distill greedy: shards to make: 1 ")
+    assert f"distill greedy {job.name}" in capsys.readouterr().err  # the bar and its ETA: the shard in hand
     assert not partial_path(corpus, job.name).exists()  # removed once the shard is written
     assert not partial_path(corpus, job.name).parent.exists()
     entry = Corpus(tmp_path / "c").entries[job.name]  # every batch came from the partial file: its cost is theirs

@@ -57,8 +57,10 @@ def distill(
     """Extend a corpus: the target's greedy answers to the next prompts of the plan (default), fixed text, or an
     endpoint's answers.
 
-    Resumable (finished shards are kept; a corrupt one is regenerated), batched, float32. Run it in the
-    background; stop it any time (Ctrl-C, kill): at most the shard in progress is lost.
+    Resumable (finished shards are kept; a corrupt one is regenerated; greedy keeps a shard's finished answers in
+    the corpus' partial/, which is committed with it), batched, float32. Run it in the background; stop it any time
+    (Ctrl-C, kill): at most the answers since the last save in partial/ are lost. Progress and ETA are per shard
+    (or group of shards made together).
     """
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.system.blas import set_threads

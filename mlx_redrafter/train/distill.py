@@ -127,21 +127,34 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
         todo.append(job)
     if max_shards is not None:
         todo = todo[:max_shards]
+    # one bar per shard (or group of shards made together): its ETA is that of the work in hand, not of the whole
+    # plan (months of one CPU); the total left is logged once
     bar = None
-    if progress:
+    if progress and todo:
+        log(f"distill {source.kind}: shards to make: {len(todo)} (worker {worker[0]}/{worker[1]}), "
+            f"{sum(source.total(j) for j in todo)} answers")
+    t_run = t_bar = time.perf_counter()
+    made_tokens = 0
+
+    def start_bar(group: list[Job]) -> None:
+        nonlocal bar, t_bar, made_tokens
+        if not progress:
+            return
         from tqdm import tqdm
 
-        bar = tqdm(total=sum(source.total(j) for j in todo), desc=f"distill {source.kind}", unit="prompt",
+        if bar is not None:
+            bar.close()
+        name = group[0].name + (f" +{len(group) - 1}" if len(group) > 1 else "")
+        bar = tqdm(total=sum(source.total(j) for j in group), desc=f"distill {source.kind} {name}", unit="answer",
                    dynamic_ncols=True, smoothing=0.05)
-    t_run = time.perf_counter()
-    made_tokens = 0
+        t_bar, made_tokens = time.perf_counter(), 0
 
     def advance(units: int, tokens: int) -> None:
         nonlocal made_tokens
         made_tokens += tokens
         if bar is not None:
             bar.update(units)
-            bar.set_postfix_str(f"{made_tokens / max(time.perf_counter() - t_run, 1e-9):.0f} tok/s, "
+            bar.set_postfix_str(f"{made_tokens / max(time.perf_counter() - t_bar, 1e-9):.0f} tok/s, "
                                 f"{made_tokens} new tokens")
 
     def write(job: Job, made: Made, seconds: float, cpu_seconds: float) -> None:
@@ -188,6 +201,7 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
             # passes over the same sequences); their cost is split equally between their shards
             group = [job, *(source.companions(job, [j for j in todo if j.index not in made_already])
                             if hasattr(source, "companions") else [])]
+            start_bar(group)
             t0, c0 = time.perf_counter(), time.process_time()
             mades = source.make_group(group, corpus, advance) if len(group) > 1 else [source.make(job, corpus, advance)]
             seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
