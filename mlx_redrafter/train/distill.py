@@ -152,7 +152,12 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
     def advance(units: int, tokens: int) -> None:
         nonlocal made_tokens
         made_tokens += tokens
-        if bar is not None:
+        if bar is not None and not tokens:  # made before (a resumed shard) or skipped: not this run's pace
+            bar.initial += units
+            bar.n += units
+            bar.last_print_n = bar.n
+            bar.refresh()
+        elif bar is not None:
             bar.update(units)
             bar.set_postfix_str(f"{made_tokens / max(time.perf_counter() - t_bar, 1e-9):.0f} tok/s, "
                                 f"{made_tokens} new tokens")
