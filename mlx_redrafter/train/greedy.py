@@ -205,28 +205,33 @@ class Partial:
     def load(self) -> tuple[dict[int, list[int]], dict[int, np.ndarray], tuple[float, float]]:
         """The saved responses, the hidden states saved with them (with `capture`, where present) and the (wall,
         CPU) seconds their batches cost."""
-        z = self._read(self.path)
+        z = self._read(self.path, ("index", "offsets", "tokens", "spent"))
         if z is None:
             return {}, {}, (0.0, 0.0)
         idx, offsets, tokens = z["index"].tolist(), z["offsets"], z["tokens"]
         responses = {i: tokens[offsets[k]:offsets[k + 1]].tolist() for k, i in enumerate(idx)}
         spent = (float(z["spent"][0]), float(z["spent"][1]))
         hiddens = {}
-        states = self._read(self.states_path) if self.capture else None
+        states = self._read(self.states_path, ("index", "offsets", "hidden")) if self.capture else None
         if states is not None:
             s_offsets, hidden = states["offsets"], states["hidden"]
             hiddens = {i: hidden[s_offsets[k]:s_offsets[k + 1]] for k, i in enumerate(states["index"].tolist())
                        if i in responses and s_offsets[k + 1] - s_offsets[k] == len(responses[i])}
         return responses, hiddens, spent
 
-    def _read(self, path: Path) -> dict[str, np.ndarray] | None:
-        """A file's arrays if it exists, loads and has this key."""
+    def _read(self, path: Path, names: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+        """A file's arrays if it exists, loads, has this key and the arrays `names` with consistent lengths."""
         try:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             return None
-        return arrays if str(arrays.get("key")) == self.key else None
+        if str(arrays.get("key")) != self.key or any(k not in arrays for k in names):
+            return None
+        offsets, rows = arrays["offsets"], arrays.get("tokens", arrays.get("hidden"))
+        if len(offsets) != len(arrays["index"]) + 1 or offsets[-1] != len(rows) or (np.diff(offsets) < 0).any():
+            return None
+        return arrays
 
     def save(self, responses: dict[int, list[int]], hiddens: dict[int, np.ndarray],
              spent: tuple[float, float] = (0.0, 0.0)) -> None:
