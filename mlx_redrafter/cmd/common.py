@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from mlx_redrafter import install_blas
 from mlx_redrafter.defaults import (
     DEFAULT_ANSWERS_WIDTH,
     DEFAULT_BEAM_LENGTH,
@@ -36,11 +37,14 @@ def fail(msg: str) -> None:
 
 
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for commands: a UserError becomes one `error:` line and exit status 2 (never a traceback)."""
+    """Decorator for commands: installs the optimized BLAS (`install_blas`) once the command line has parsed, before
+    the command imports MLX (so `--help` and usage errors never load it); a UserError becomes one `error:` line and
+    exit status 2 (never a traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            install_blas()  # an unknown REDRAFTER_BLAS / REDRAFTER_SMALL_GEMM value is a UserError
             return fn(*args, **kwargs)
         except UserError as e:
             fail(str(e))

@@ -1,5 +1,6 @@
-"""`redrafter-mlx`: the command-line entry point. It installs the optimized BLAS before any command imports
-mlx.core, then runs the app (cmd/app.py)."""
+"""`redrafter-mlx`: the command-line entry point. It runs the app (cmd/app.py), whose commands install the optimized
+BLAS once their options have parsed and before they import mlx.core (`common.one_line_errors`): `--help` and usage
+errors never load MLX."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import sys
 
 import typer
 
-from mlx_redrafter import install_blas
 from mlx_redrafter.errors import UserError
+from mlx_redrafter.system.blas import check_switches
 
 
 def main() -> None:
     """Console entry point: usage errors and bad input end with one `error:` line and status 2."""
     try:
-        install_blas()  # an unknown REDRAFTER_BLAS / REDRAFTER_SMALL_GEMM value is a UserError
+        check_switches()  # a bad REDRAFTER_* switch is an error even for --help (nothing is loaded for that)
         from mlx_redrafter.cmd.app import app
         from mlx_redrafter.cmd.common import run_app
 

@@ -8,12 +8,11 @@ from pathlib import Path
 import typer
 
 from mlx_redrafter.cmd import common as c
-from mlx_redrafter.draft.redrafter import check_feature_layers
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import check_writable_dir, check_writable_file
 from mlx_redrafter.schema import Field, check_option
+from mlx_redrafter.train.config import TrainConfig
 from mlx_redrafter.train.evaluate import format_eval
-from mlx_redrafter.train.loop import TrainConfig
 
 DEFAULT_CORPUS = Path("data/corpus")
 DEFAULT_FEATURES = Path(".cache/features")
@@ -324,6 +323,8 @@ def feature_layer_list(text: str | None) -> tuple[int, ...]:
     """The layers `--feature-layers` names (none for an empty option); a one-line UserError for a malformed list."""
     layers = tuple(c.int_list(text, "--feature-layers")) if text else ()
     if layers:
+        from mlx_redrafter.draft.redrafter import check_feature_layers
+
         check_feature_layers(list(layers), "--feature-layers")
     return layers
 

@@ -11,7 +11,6 @@ import typer
 from mlx_redrafter.cmd import common as c
 from mlx_redrafter.defaults import TUNE_GRID, TUNE_MIN_SPEEDUP, TUNE_MIN_TOKENS_PER_STEP
 from mlx_redrafter.errors import UserError
-from mlx_redrafter.models.loader import DTYPE_CHOICES
 from mlx_redrafter.schema import Field, check_option
 
 
@@ -40,6 +39,7 @@ def tune(
     model and drafter; generate/chat then use it. A setting must beat AR by --min-speedup and decide at least
     1.1 tokens per target call, else plain AR is stored."""
     from mlx_redrafter import api, sweep, tuning
+    from mlx_redrafter.models.loader import DTYPE_CHOICES
     from mlx_redrafter.prompts import first_turns
     from mlx_redrafter.system.machine_state import machine_now
 

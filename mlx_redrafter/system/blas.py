@@ -188,6 +188,12 @@ def _openblas_candidates() -> list[str]:
     return ["libopenblas.so.0", "libopenblas.so"]
 
 
+def check_switches() -> tuple[str, bool, list[Kernel]]:
+    """The BLAS choice, whether the small-GEMM kernel is wanted and the kernels switched on, read from the
+    environment without loading anything; a UserError naming the first switch with an unknown value."""
+    return blas_choice(), small_gemm_requested(), [k for k in KERNELS if k.requested()]
+
+
 def install() -> BlasStatus:
     """Load the optimized BLAS and the small-GEMM kernel (per the switches) before MLX starts, check them on a
     tiny product, and return what is in use. Idempotent; call it before anything imports mlx.core.
@@ -195,8 +201,7 @@ def install() -> BlasStatus:
     global _status
     if _status.installed:
         return _status
-    choice, want_small = blas_choice(), small_gemm_requested()  # unknown switch values fail before anything loads
-    wanted = [k for k in KERNELS if k.requested()]
+    choice, want_small, wanted = check_switches()  # unknown switch values fail before anything loads
     st = BlasStatus(installed=True)
     if platform.system() != "Linux":
         _status = st

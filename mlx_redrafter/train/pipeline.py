@@ -11,11 +11,11 @@ import mlx.core as mx
 from mlx_redrafter.draft.redrafter import Drafter, save_drafter
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.models.loader import Target
+from mlx_redrafter.train.config import TrainConfig
 from mlx_redrafter.train.corpus import Corpus, shard_index
 from mlx_redrafter.train.data import Examples, load_examples
 from mlx_redrafter.train.features import ensure
 from mlx_redrafter.train.kinds import KIND_TITLES
-from mlx_redrafter.train.loop import TrainConfig
 
 
 def pick_shards(corpus: Corpus, max_tokens: int | None = None, only: list[int] | None = None) -> list[str]:
