@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from mlx_redrafter.cmd.chat import chat
+from mlx_redrafter.cmd.common import installs_blas
 from mlx_redrafter.cmd.generate import generate
 from mlx_redrafter.cmd.quantize import quantize
 from mlx_redrafter.cmd.serve import serve
@@ -13,13 +14,7 @@ from mlx_redrafter.cmd.tune import tune
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact speculative decoding (ReDrafter + lookup drafting) in pure MLX.")
-app.command()(generate)
-app.command()(chat)
-app.command()(serve)
-app.command()(tune)
-app.command()(distill)
-app.command()(features)
-app.command()(answers)
-app.command()(train)
-app.command("eval-drafter")(eval_drafter)
-app.command()(quantize)
+for name, command in (("generate", generate), ("chat", chat), ("serve", serve), ("tune", tune), ("distill", distill),
+                      ("features", features), ("answers", answers), ("train", train), ("eval-drafter", eval_drafter),
+                      ("quantize", quantize)):
+    app.command(name)(installs_blas(command))

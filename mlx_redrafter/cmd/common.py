@@ -37,17 +37,29 @@ def fail(msg: str) -> None:
 
 
 def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for commands: installs the optimized BLAS (`install_blas`) once the command line has parsed, before
-    the command imports MLX (so `--help` and usage errors never load it); a UserError becomes one `error:` line and
-    exit status 2 (never a traceback)."""
+    """Decorator for commands: a UserError becomes one `error:` line and exit status 2 (never a traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            install_blas()  # an unknown REDRAFTER_BLAS / REDRAFTER_SMALL_GEMM value is a UserError
             return fn(*args, **kwargs)
         except UserError as e:
             fail(str(e))
+
+    return wrapper
+
+
+def installs_blas(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """For `redrafter-mlx`'s commands: install the optimized BLAS (`install_blas`) once the command's options have
+    parsed and before it imports MLX, so that `--help` and usage errors never load it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            install_blas()
+        except UserError as e:
+            fail(str(e))
+        return fn(*args, **kwargs)
 
     return wrapper
 

@@ -1,5 +1,5 @@
 """`redrafter-mlx`: the command-line entry point. It runs the app (cmd/app.py), whose commands install the optimized
-BLAS once their options have parsed and before they import mlx.core (`common.one_line_errors`): `--help` and usage
+BLAS once their options have parsed and before they import mlx.core (`common.installs_blas`): `--help` and usage
 errors never load MLX."""
 
 from __future__ import annotations

@@ -190,7 +190,9 @@ def _openblas_candidates() -> list[str]:
 
 def check_switches() -> tuple[str, bool, list[Kernel]]:
     """The BLAS choice, whether the small-GEMM kernel is wanted and the kernels switched on, read from the
-    environment without loading anything; a UserError naming the first switch with an unknown value."""
+    environment without loading anything; a UserError naming the first switch with an unknown value (or a malformed
+    REDRAFTER_THREADS)."""
+    _env_threads()
     return blas_choice(), small_gemm_requested(), [k for k in KERNELS if k.requested()]
 
 
