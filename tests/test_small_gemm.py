@@ -19,7 +19,7 @@ AVX512 = "avx512f" in cpu_flags()
 
 
 def most_rows(path: str) -> int:
-    """The most rows of x a path takes in one product: AVX2 128 (past 8 rows, chunks of up to 8 in blocks of 64
+    """The most rows of x a path takes in one product: AVX2 128 (past 8 rows, chunks of 2-3 rows against tiles of 4
     weight rows); AVX-512 any (tested up to 100: three 32-row chunks and a tail, in blocks of 64 weight rows)."""
     return 100 if path == "best" and AVX512 else 128
 
@@ -45,7 +45,7 @@ def test_products_match_float64(path):
         pytest.skip("small-GEMM library not built on this machine (not x86-64 Linux with AVX-512 or AVX2)")
     rng = np.random.default_rng(0)
     shapes = [(1, 1536, 576), (3, 576, 1536), (8, 49152, 576), (16, 960, 576), (5, 200, 512)]
-    shapes += [(M, 1007, 576) for M in range(1, 33)]  # every row count (AVX2: 17-32 to the BLAS), a tail of rows
+    shapes += [(M, 1007, 576) for M in range(1, 33)]  # every row count, a tail of weight rows (1007 = 4 x 251 + 3)
     shapes += [(M, 1007, 576) for M in (33, 40, 64, 65, 100, 300)]  # AVX-512: chunks of 32 rows, blocks of weights
     with _path(path):
         for M, N, K in shapes:
@@ -65,7 +65,7 @@ def test_a_row_gets_the_same_bits_whatever_the_number_of_rows(path):
     x = mx.array(rng.standard_normal((rows, 576), dtype=np.float32))
     with _path(path):
         full = np.array(x @ w.T)
-        for M in range(1, rows):  # every chunking of the rows (of up to 32 (AVX-512) or 8 (AVX2) rows a chunk)
+        for M in range(1, rows):  # every chunking of the rows (of up to 32 (AVX-512) or 3 (AVX2) rows a chunk)
             assert np.array_equal(np.array(x[:M] @ w.T), full[:M]), M
 
 

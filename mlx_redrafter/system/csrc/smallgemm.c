@@ -6,7 +6,7 @@
  * all M dot products from it, and hands every other product to the real BLAS. On AVX-512 it takes every M: more
  * than 32 rows of x (prefills, large batches) run as blocks of 64 weight rows, each times every 32-row chunk of x
  * while it sits in cache; measured on an AMD EPYC, 1.4-2.2x faster than MKL (whose AMD code path is AVX2) from 33 to
- * 512 rows. On AVX2 + FMA it takes M <= 128 (past 8 rows: blocks of 64 weight rows times chunks of up to 8 rows),
+ * 512 rows. On AVX2 + FMA it takes M <= 128 (past 8 rows: tiles of 4 weight rows times chunks of 2-3 rows of x),
  * where it is faster than MKL on Zen 3 (past 128 rows MKL is). Each output element is computed in the same order
  * whatever M is, so a token's logits do not depend on how many tokens were verified or prefilled with it (on AVX2,
  * up to 128).
@@ -31,7 +31,7 @@ void redrafter_gemm_set_threads(int threads) { n_threads = threads > 0 ? threads
 void redrafter_gemm_enable(int on) { enabled = on; }
 long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
 /* Bumped whenever the kernels' speed changes, so costs measured with an older build are measured again. */
-int redrafter_gemm_version(void) { return 7; }
+int redrafter_gemm_version(void) { return 8; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -155,6 +155,32 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
             for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = hsum256(acc[m]);                           \
         }                                                                                                    \
     }
+/* One tile for many rows of x: R = 4 weight rows (read from L1 by every chunk of x once the first has loaded them)
+ * times MM <= 3 rows of x, 4 * MM accumulators. Past 8 rows, chunks of up to 8 rows against one weight row at a time
+ * (the kernels above) ran at 35-60% of these tiles' speed on Zen 3 (a product of 64 rows by the MLP's down weight:
+ * 37 against 70-77 GF/s on one core); each element still sums in the order of every other kernel here. */
+#define TILE2(MM, R)                                                                                         \
+    __attribute__((target("avx2,fma"))) static inline void t_##MM##_##R(const float *x, const float *w,     \
+                                                                        float *y, int K, int ldy, int n,    \
+                                                                        int pf) {                           \
+        __m256 acc[MM][R];                                                                                   \
+        for (int m = 0; m < MM; m++)                                                                         \
+            for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();                                     \
+        for (int k = 0; k < K; k += 8) {                                                                     \
+            __m256 wv[R];                                                                                    \
+            if (pf && (k & 15) == 0)                                                                         \
+                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), _MM_HINT_T1); \
+            for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + (size_t)(n + r) * K + k);                \
+            for (int m = 0; m < MM; m++) {                                                                   \
+                __m256 xv = _mm256_loadu_ps(x + (size_t)m * K + k);                                          \
+                for (int r = 0; r < R; r++) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);               \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int m = 0; m < MM; m++)                                                                         \
+            for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = hsum256(acc[m][r]);                     \
+    }
+TILE2(3, 4) TILE2(2, 4) TILE2(3, 1) TILE2(2, 1)
+
 KERNEL2(1, 8)
 KERNEL2(2, 4)
 KERNEL2(3, 2)
@@ -191,17 +217,22 @@ static void rows(const float *x, const float *w, float *y, int M, int K, int ldy
         avx2_kernels[M](x, w, y, K, ldy, n0, n1);
         return;
     }
-    /* More rows: blocks of weight rows, each times every chunk of at most 8 rows of x (sizes differing by at most
-       one) while the block sits in cache. */
-    int chunks = (M + 7) / 8, small = M / chunks, big = M % chunks;
-    for (int nb = n0; nb < n1; nb += BLOCK_N) {
-        int ne = nb + BLOCK_N < n1 ? nb + BLOCK_N : n1;
-        for (int c = 0, m = 0; c < chunks; c++) {
-            int mm = small + (c < big);
-            avx2_kernels[mm](x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, nb, ne);
-            m += mm;
+    /* More rows: each tile of 4 weight rows times every chunk of x (3 rows, the last few of 2) while it sits in L1;
+       the first chunk prefetches the next tile into L2 (+5-10% where the weights come from memory; it cost as much
+       where a tile is past 16 KB, the MLP's down weight). */
+    int chunks = (M + 2) / 3, small = M / chunks, big = M % chunks, pf = K <= 1024;
+    int n = n0;
+    for (; n + 4 <= n1; n += 4)
+        for (int c = 0, m = 0; c < chunks; m += small + (c < big), c++) {
+            int ahead = pf && c == 0 && n + 8 <= n1;
+            if (small + (c < big) == 3) t_3_4(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, ahead);
+            else t_2_4(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, ahead);
         }
-    }
+    for (; n < n1; n++)
+        for (int c = 0, m = 0; c < chunks; m += small + (c < big), c++) {
+            if (small + (c < big) == 3) t_3_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0);
+            else t_2_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0);
+        }
 }
 
 /* y (M, ldy) = x (M, lda) w (K, ldb): products with a small stored (not transposed) right side, such as attention's
