@@ -134,6 +134,68 @@ def test_turn2_passes_over_the_same_sequences_are_made_together(target, prompts_
     assert grouped and all(e["cpu_seconds"] > 0 for e in grouped)
 
 
+def test_a_stopped_group_saves_the_answers_it_finished(target, prompts_file, corpus_dirs, tmp_path):
+    """Ctrl-C or SIGTERM (a KeyboardInterrupt: `cmd.common.stops_cleanly`) inside a group of turn-2 shards saves
+    the answers finished since the last periodic save; the resumed group equals an uninterrupted one."""
+    import shutil
+
+    root, _ = corpus_dirs
+    source = GreedySource(target, prompts_file, replace(SETTINGS, batch_size=64))  # no periodic save before the end
+    jobs = source.jobs()
+    job = next(j for j in jobs if j.turn == 2 and j.follow_pass > 0 and j.rows)
+    group = [job, *source.companions(job, jobs)]
+    shutil.copytree(root, tmp_path / "a")
+    shutil.copytree(root, tmp_path / "b")
+    corpus = Corpus(tmp_path / "a", target.model.args.vocab_size)
+    reported = []
+
+    def stopped(units, tokens):
+        if tokens:
+            reported.append(units)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        source.make_group(group, corpus, stopped)
+    held = [len(np.load(partial_path(corpus, j.name))["index"]) for j in group if partial_path(corpus, j.name).exists()]
+    assert reported and sum(held) == reported[0] > 0
+    resumed = source.make_group(group, corpus, lambda units, tokens: None)
+    fresh = source.make_group(group, Corpus(tmp_path / "b", target.model.args.vocab_size), lambda units, tokens: None)
+    assert [m.seqs for m in resumed] == [m.seqs for m in fresh]
+
+
+def test_a_stopped_data_job_exits_cleanly_even_started_with_ctrl_c_ignored(tmp_path):
+    """`make distill` starts its workers in the background of a shell, which starts them with Ctrl-C ignored: they
+    used to run on after the make had stopped. A worker now stops on Ctrl-C (and SIGTERM) with status 130 and no
+    traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from one_line import cli_env
+
+    prompts = tmp_path / "p.jsonl"  # enough answers to be stopped in the middle of them
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}.", "source": "oasst"}) + "\n"
+                               for i in range(100)))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        p = subprocess.Popen([sys.executable, "-m", "mlx_redrafter.cmd.main", "distill", "--prompts", str(prompts),
+                              "--corpus", str(tmp_path / "c"), "--features", str(tmp_path / "f"), "--nice", "0"],
+                             env=cli_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        first = p.stdout.readline()
+        assert "shards to make" in first, first  # the plan's line: the worker has started generating
+        time.sleep(1)
+        os.kill(p.pid, sig)
+        try:
+            err = p.communicate(timeout=120)[1]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"the worker ran on after {sig.name}")
+        assert p.returncode == 130 and "Traceback" not in err, (sig.name, p.returncode, err[-2000:])
+        assert not list((tmp_path / "c").glob("*/shard-*.npz")), sig.name  # stopped before a shard was written
+
+
 def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target, prompts_file, tmp_path):
     root, messages, settings = tmp_path / "c", [], replace(SETTINGS, max_new_tokens=8)  # short answers: resuming
     first = build(target, prompts_file, root, settings, max_shards=2, progress=False, log=messages.append)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import typer
@@ -47,6 +49,26 @@ def one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             fail(str(e))
 
     return wrapper
+
+
+@contextlib.contextmanager
+def stops_cleanly() -> Iterator[None]:
+    """For long background work (the data job's workers): Ctrl-C and SIGTERM raise KeyboardInterrupt, so the work
+    saves what it finished and the command exits with status 130, and later ones are ignored while it does. A shell
+    starts the background commands of a script (`make distill`'s workers) with Ctrl-C ignored; without this they
+    kept running after the make that started them had stopped. The previous handlers come back afterwards."""
+
+    def stop(signum: int, frame: Any) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def installs_blas(fn: Callable[..., Any]) -> Callable[..., Any]:

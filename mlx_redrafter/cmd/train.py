@@ -58,7 +58,7 @@ def distill(
 
     Resumable (finished shards are kept; a corrupt one is regenerated; greedy keeps a shard's finished answers in
     the corpus' partial/, which is committed with it), batched, float32. Run it in the background; stop it any time
-    (Ctrl-C, kill): at most the answers since the last save in partial/ are lost. Progress and ETA are per shard
+    (Ctrl-C, kill): the answers it finished are saved in partial/ first. Progress and ETA are per shard
     (or group of shards made together).
     """
     from mlx_redrafter.models.loader import load_target
@@ -99,7 +99,9 @@ def distill(
         src = EndpointSource(target, endpoint, prompts, model=endpoint_model, api_key=api_key,
                              concurrency=concurrency)
     root = corpus_dir(corpus, target.name, source)
-    out = grow(src, target, root, max_shards=shards, hours=hours, features_dir=features / root.name, worker=(i, n))
+    with c.stops_cleanly():
+        out = grow(src, target, root, max_shards=shards, hours=hours, features_dir=features / root.name,
+                   worker=(i, n))
     typer.echo(json.dumps(out.stats()))
 
 
@@ -147,9 +149,10 @@ def features(
     if only is not None and not any(names for _, names in chosen):
         raise UserError(f"--shards {shards}: no shard of {', '.join(map(str, roots))} has one of these plan indices: "
                         "list the shard numbers of data/corpus/<model>/shard-NNNNN.npz (e.g. --shards 1-9)")
-    for c_, names in chosen:
-        ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, names, worker=(i, n),
-               log=lambda m: typer.echo(m, err=True), layers=layers)
+    with c.stops_cleanly():
+        for c_, names in chosen:
+            ensure(c_, target.model, target.tokenizer.eos_ids[0], cache / c_.name, names, worker=(i, n),
+                   log=lambda m: typer.echo(m, err=True), layers=layers)
 
 
 @c.one_line_errors

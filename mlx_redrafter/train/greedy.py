@@ -401,28 +401,36 @@ class GreedySource:
                 needed = {i for _, i in todo}
                 rows = [i for i in rows if i in needed]
                 pending.append((rows, todo))
+        def save() -> None:
+            spent = ((time.perf_counter() - t0) / len(jobs), (time.process_time() - c0) / len(jobs))
+            for g, sv in enumerate(saved):
+                sv.save(responses[g], hiddens[g], (share[g][0] + spent[0], share[g][1] + spent[1]))
+
         # continuous batching: a unit joins the running rows as soon as there is room for it
         running, waiting, unsaved = GreedyRows(self.target.model, s.max_new_tokens, tok.eos_ids, self.capture), [], 0
-        while pending or running.live:
-            while pending and (not running.live or running.live + len(pending[0][1]) <= s.batch_size):
-                rows, branches = pending.popleft()
-                running.add([prefix[i] for i in rows], [(rows.index(i), parts[g][i][1]) for g, i in branches],
-                            branches)
-                waiting.append(branches)
-            running.step()
-            for branches in [b for b in waiting if all(running.finished(key) for key in b)]:
-                waiting.remove(branches)
-                for g, i in branches:
-                    responses[g][slot[g][i]], hid = running.result((g, i))
-                    if hid is not None:
-                        hiddens[g][slot[g][i]] = hid
-                progress(len(branches), sum(len(responses[g][slot[g][i]]) for g, i in branches))
-                unsaved += len(branches)
-            if unsaved >= s.batch_size or (unsaved and not (pending or running.live)):
-                spent = ((time.perf_counter() - t0) / len(jobs), (time.process_time() - c0) / len(jobs))
-                for g, sv in enumerate(saved):
-                    sv.save(responses[g], hiddens[g], (share[g][0] + spent[0], share[g][1] + spent[1]))
-                unsaved = 0
+        try:
+            while pending or running.live:
+                while pending and (not running.live or running.live + len(pending[0][1]) <= s.batch_size):
+                    rows, branches = pending.popleft()
+                    running.add([prefix[i] for i in rows], [(rows.index(i), parts[g][i][1]) for g, i in branches],
+                                branches)
+                    waiting.append(branches)
+                running.step()
+                for branches in [b for b in waiting if all(running.finished(key) for key in b)]:
+                    waiting.remove(branches)
+                    for g, i in branches:
+                        responses[g][slot[g][i]], hid = running.result((g, i))
+                        if hid is not None:
+                            hiddens[g][slot[g][i]] = hid
+                    unsaved += len(branches)
+                    progress(len(branches), sum(len(responses[g][slot[g][i]]) for g, i in branches))
+                if unsaved >= s.batch_size or (unsaved and not (pending or running.live)):
+                    save()
+                    unsaved = 0
+        except KeyboardInterrupt:  # stopped (Ctrl-C, SIGTERM: cmd.common.stops_cleanly): keep what is finished
+            if unsaved:
+                save()
+            raise
         progress(sum(len(j.rows) - len(kept) for j, kept in zip(jobs, keep)), 0)
         names = [j.name for j in jobs]
         return [self._made(j, [parts[g][i][0] + parts[g][i][1] for i in keep[g]], keep[g], responses[g], hiddens[g],
