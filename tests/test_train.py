@@ -163,6 +163,25 @@ def test_a_stopped_group_saves_the_answers_it_finished(target, prompts_file, cor
     assert [m.seqs for m in resumed] == [m.seqs for m in fresh]
 
 
+def test_rows_a_group_skips_count_before_its_answers(target, prompts_file, corpus_dirs, tmp_path):
+    """Turn-2 prompts too long with their turn-1 answer are skipped; the progress bar counts them at once, so its
+    rate and ETA are those of the answers still to make (counted at the end, they made the ETA ~1.6x too long)."""
+    import shutil
+
+    root, _ = corpus_dirs
+    source = GreedySource(target, prompts_file, replace(SETTINGS, max_prompt_tokens=60))
+    jobs = source.jobs()
+    job = next(j for j in jobs if j.turn == 2 and j.follow_pass > 0 and j.rows)
+    group = [job, *source.companions(job, jobs)]
+    shutil.copytree(root, tmp_path / "c")
+    calls = []
+    made = source.make_group(group, Corpus(tmp_path / "c", target.model.args.vocab_size),
+                             lambda units, tokens: calls.append((units, tokens)))
+    skipped = sum(m.info["skipped_prompts"] for m in made)
+    assert 0 < skipped < sum(len(j.rows) for j in group), "the limit should skip some of the group's rows"
+    assert calls[0] == (skipped, 0) and all(tokens > 0 for units, tokens in calls[1:] if units)
+
+
 def test_a_stopped_data_job_exits_cleanly_even_started_with_ctrl_c_ignored(tmp_path):
     """`make distill` starts its workers in the background of a shell, which starts them with Ctrl-C ignored: they
     used to run on after the make had stopped. A worker now stops on Ctrl-C (and SIGTERM) with status 130 and no

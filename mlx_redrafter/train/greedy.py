@@ -313,6 +313,8 @@ class GreedySource:
         else:
             ids = self.turn2_prompts(corpus, job, set(tok.eos_ids))
         keep = [i for i, x in enumerate(ids) if x is not None and 0 < len(x) <= s.max_prompt_tokens]
+        if len(keep) < len(job.rows):  # skipped rows count now, so the bar's ETA is that of the answers to make
+            progress(len(job.rows) - len(keep), 0)
         prompts = [ids[i] for i in keep]
         by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
         saved = Partial(partial_path(corpus, job.name), partial_states_path(corpus, job.name), prompts,
@@ -331,7 +333,6 @@ class GreedySource:
                     hiddens[i] = hid[k]
             saved.save(responses, hiddens, (wall0 + time.perf_counter() - t0, cpu0 + time.process_time() - c0))
             progress(len(part), sum(len(o) for o in outs))
-        progress(len(job.rows) - len(keep), 0)
         return self._made(job, prompts, keep, responses, hiddens, (wall0, cpu0))
 
     def _made(self, job: Job, prompts: list[list[int]], keep: list[int], responses: dict[int, list[int]],
@@ -374,6 +375,9 @@ class GreedySource:
         keep = [[i for i, x in enumerate(p) if x is not None and 0 < len(x[0]) + len(x[1]) <= s.max_prompt_tokens]
                 for p in parts]
         slot = [{i: k for k, i in enumerate(kept)} for kept in keep]  # row position -> index among a job's prompts
+        skipped = sum(len(j.rows) - len(kept) for j, kept in zip(jobs, keep))
+        if skipped:  # counted now (prompts too long with their turn-1 answer), so the bar's ETA is the answers'
+            progress(skipped, 0)
         saved = [Partial(partial_path(corpus, j.name), partial_states_path(corpus, j.name),
                          [parts[g][i][0] + parts[g][i][1] for i in kept], s.max_new_tokens, self.capture)
                  for g, (j, kept) in enumerate(zip(jobs, keep))]
@@ -431,7 +435,6 @@ class GreedySource:
             if unsaved:
                 save()
             raise
-        progress(sum(len(j.rows) - len(kept) for j, kept in zip(jobs, keep)), 0)
         names = [j.name for j in jobs]
         return [self._made(j, [parts[g][i][0] + parts[g][i][1] for i in keep[g]], keep[g], responses[g], hiddens[g],
                            share[g], names) for g, j in enumerate(jobs)]
