@@ -37,30 +37,34 @@ int redrafter_gemm_version(void) { return 8; }
 #include <immintrin.h>
 #include <omp.h>
 
-/* One block: R weight rows [n, n + R) times MM rows of x, MM * R accumulators (of 32 registers). With pf, the
- * next block's weight rows are prefetched into L2 while this one computes: without it the hardware prefetcher
- * falls behind once the arithmetic per weight row grows, and a product over 8 rows takes twice the time of one. */
-#define BLOCK(MM, R)                                                                                         \
-    __attribute__((target("avx512f"))) static inline void b_##MM##_##R(const float *x, const float *w,      \
-                                                                       float *y, int K, int ldy, int n,     \
-                                                                       int pf) {                            \
-        __m512 acc[MM][R];                                                                                   \
+/* One tile: R weight rows [n, n + R) times MM rows of x, MM * R accumulators, each one chain of LANES-wide
+ * multiply-adds over k and one horizontal sum, in the same order in every kernel of an instruction set. With pf,
+ * the next tile's weight rows are prefetched (one line per row each 16 values of k) while this one computes: without
+ * it the hardware prefetcher falls behind once the arithmetic per weight row grows (AVX-512: a product over 8 rows
+ * took twice the time of one). */
+#define TILE(P, TARGET, VEC, LANES, ZERO, LOAD, FMA, REDUCE, HINT, MM, R)                                    \
+    __attribute__((target(TARGET))) static inline void P##_##MM##_##R(const float *x, const float *w,       \
+                                                                     float *y, int K, int ldy, int n,       \
+                                                                     int pf) {                              \
+        VEC acc[MM][R];                                                                                      \
         for (int m = 0; m < MM; m++)                                                                         \
-            for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();                                     \
-        for (int k = 0; k < K; k += 16) {                                                                    \
-            __m512 wv[R];                                                                                    \
-            if (pf)                                                                                          \
-                for (int r = 0; r < R; r++)                                                                  \
-                    _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), _MM_HINT_T2);              \
-            for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (size_t)(n + r) * K + k);                \
+            for (int r = 0; r < R; r++) acc[m][r] = ZERO;                                                    \
+        for (int k = 0; k < K; k += LANES) {                                                                 \
+            VEC wv[R];                                                                                       \
+            if (pf && (k & 15) == 0)                                                                         \
+                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), HINT); \
+            for (int r = 0; r < R; r++) wv[r] = LOAD(w + (size_t)(n + r) * K + k);                           \
             for (int m = 0; m < MM; m++) {                                                                   \
-                __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);                                          \
-                for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);               \
+                VEC xv = LOAD(x + (size_t)m * K + k);                                                        \
+                for (int r = 0; r < R; r++) acc[m][r] = FMA(wv[r], xv, acc[m][r]);                           \
             }                                                                                                \
         }                                                                                                    \
         for (int m = 0; m < MM; m++)                                                                         \
-            for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = _mm512_reduce_add_ps(acc[m][r]);       \
+            for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = REDUCE(acc[m][r]);                      \
     }
+#define BLOCK(MM, R)                                                                                         \
+    TILE(b, "avx512f", __m512, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps, \
+         _MM_HINT_T2, MM, R)
 BLOCK(1, 12) BLOCK(2, 10) BLOCK(3, 8) BLOCK(3, 6) BLOCK(4, 6) BLOCK(4, 5) BLOCK(5, 5) BLOCK(5, 4) BLOCK(6, 4)
 BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1)
 
@@ -155,30 +159,13 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
             for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = hsum256(acc[m]);                           \
         }                                                                                                    \
     }
-/* One tile for many rows of x: R = 4 weight rows (read from L1 by every chunk of x once the first has loaded them)
- * times MM <= 3 rows of x, 4 * MM accumulators. Past 8 rows, chunks of up to 8 rows against one weight row at a time
- * (the kernels above) ran at 35-60% of these tiles' speed on Zen 3 (a product of 64 rows by the MLP's down weight:
- * 37 against 70-77 GF/s on one core); each element still sums in the order of every other kernel here. */
+/* AVX2 tiles for many rows of x: R = 4 weight rows (read from L1 by every chunk of x once the first has loaded
+ * them, which prefetches the next tile into L2) times MM <= 3 rows of x. Past 8 rows, chunks of up to 8 rows against
+ * one weight row at a time (the kernels above) ran at 35-60% of these tiles' speed on Zen 3 (a product of 64 rows by
+ * the MLP's down weight: 37 against 70-77 GF/s on one core). */
 #define TILE2(MM, R)                                                                                         \
-    __attribute__((target("avx2,fma"))) static inline void t_##MM##_##R(const float *x, const float *w,     \
-                                                                        float *y, int K, int ldy, int n,    \
-                                                                        int pf) {                           \
-        __m256 acc[MM][R];                                                                                   \
-        for (int m = 0; m < MM; m++)                                                                         \
-            for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();                                     \
-        for (int k = 0; k < K; k += 8) {                                                                     \
-            __m256 wv[R];                                                                                    \
-            if (pf && (k & 15) == 0)                                                                         \
-                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (size_t)(n + R + r) * K + k), _MM_HINT_T1); \
-            for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + (size_t)(n + r) * K + k);                \
-            for (int m = 0; m < MM; m++) {                                                                   \
-                __m256 xv = _mm256_loadu_ps(x + (size_t)m * K + k);                                          \
-                for (int r = 0; r < R; r++) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);               \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int m = 0; m < MM; m++)                                                                         \
-            for (int r = 0; r < R; r++) y[(size_t)m * ldy + n + r] = hsum256(acc[m][r]);                     \
-    }
+    TILE(t, "avx2,fma", __m256, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, hsum256, _MM_HINT_T1, \
+         MM, R)
 TILE2(3, 4) TILE2(2, 4) TILE2(3, 1) TILE2(2, 1)
 
 KERNEL2(1, 8)
