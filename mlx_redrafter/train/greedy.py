@@ -186,21 +186,21 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
 
 
 class Partial:
-    """The finished batches of a shard being made, so that an interrupted `distill` resumes inside the shard
-    instead of starting it again (greedy answers are deterministic: a resumed shard equals an uninterrupted one).
-    Two files (`distill.partial_path`, `partial_states_path`): the answers' token ids with what their batches cost
+    """The finished batches of shard `name` of a corpus being made, so that an interrupted `distill` resumes inside
+    the shard instead of starting it again (greedy answers are deterministic: a resumed shard equals an uninterrupted
+    one). Two files (`distill.partial_path`, `partial_states_path`): the answers' token ids with what their batches cost
     (wall and CPU seconds, so that the shard's manifest entry counts the time before the interruption), committed
     with the corpus; with `capture`, the hidden states beside them, local. Both are keyed by the prompts and
     settings; one that does not match (or does not load) is ignored and overwritten. Answers whose states are
     missing (another machine made them) resume without states: the shard then carries none, and its features are
     rebuilt by the teacher-forced pass."""
 
-    def __init__(self, path: Path, states_path: Path, prompts: list[list[int]], max_new_tokens: int,
-                 capture: bool):
+    def __init__(self, corpus: Corpus, name: str, prompts: list[list[int]], max_new_tokens: int, capture: bool):
         h = hashlib.sha256(f"{max_new_tokens}:{capture}:".encode())
         for p in prompts:
             h.update(np.asarray(p, dtype=np.int64).tobytes() + b"|")
-        self.path, self.states_path, self.key, self.capture = path, states_path, h.hexdigest(), capture
+        self.path, self.states_path = partial_path(corpus, name), partial_states_path(corpus, name)
+        self.key, self.capture = h.hexdigest(), capture
 
     def load(self) -> tuple[dict[int, list[int]], dict[int, np.ndarray], tuple[float, float]]:
         """The saved responses, the hidden states saved with them (with `capture`, where present) and the (wall,
@@ -317,8 +317,7 @@ class GreedySource:
             progress(len(job.rows) - len(keep), 0)
         prompts = [ids[i] for i in keep]
         by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
-        saved = Partial(partial_path(corpus, job.name), partial_states_path(corpus, job.name), prompts,
-                        s.max_new_tokens, self.capture)
+        saved = Partial(corpus, job.name, prompts, s.max_new_tokens, self.capture)
         responses, hiddens, (wall0, cpu0) = saved.load()
         t0, c0 = time.perf_counter(), time.process_time()
         for b in range(0, len(by_len), s.batch_size):
@@ -378,9 +377,8 @@ class GreedySource:
         skipped = sum(len(j.rows) - len(kept) for j, kept in zip(jobs, keep))
         if skipped:  # counted now (prompts too long with their turn-1 answer), so the bar's ETA is the answers'
             progress(skipped, 0)
-        saved = [Partial(partial_path(corpus, j.name), partial_states_path(corpus, j.name),
-                         [parts[g][i][0] + parts[g][i][1] for i in kept], s.max_new_tokens, self.capture)
-                 for g, (j, kept) in enumerate(zip(jobs, keep))]
+        saved = [Partial(corpus, j.name, [parts[g][i][0] + parts[g][i][1] for i in kept], s.max_new_tokens,
+                         self.capture) for g, (j, kept) in enumerate(zip(jobs, keep))]
         loaded = [sv.load() for sv in saved]
         responses, hiddens = [x[0] for x in loaded], [x[1] for x in loaded]
         t0, c0 = time.perf_counter(), time.process_time()
@@ -405,6 +403,7 @@ class GreedySource:
                 needed = {i for _, i in todo}
                 rows = [i for i in rows if i in needed]
                 pending.append((rows, todo))
+
         def save() -> None:
             spent = ((time.perf_counter() - t0) / len(jobs), (time.process_time() - c0) / len(jobs))
             for g, sv in enumerate(saved):
