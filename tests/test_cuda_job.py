@@ -252,20 +252,23 @@ def test_a_drafter_grown_to_fuse_tapped_layers_starts_as_it_was():
         assert torch.equal(g.logits(context_of(g, batch, taps), s), d.logits(context_of(d, batch, taps), s))
 
 
-def test_a_drafter_returned_in_parts_lands_whole(tmp_path):
+def test_a_drafter_returned_in_parts_lands_whole(tmp_path, capsys):
     import json
 
     import numpy as np
+    import pytest
     from safetensors.numpy import load_file
     from safetensors.torch import save_file
 
-    from bench.torch_ref.cuda_job import drafter_folders, weight_parts
+    from bench.torch_ref.cuda_job import drafter_folders, joined, part_files, weight_parts
     from bench.torch_ref.drafter import random_torch_drafter
 
     d = random_torch_drafter(16, 40, exit_dim=12, num_draft_layers=2)
     sd = {k: t.half().contiguous() for k, t in d.state_dict().items()}
-    parts = weight_parts(sd, limit=1000)
-    assert len(parts) > 2 and all(sum(t.numel() * 2 for t in p.values()) <= 1000 or len(p) == 1 for p in parts)
+    limit = 600  # under the head's 40 x 12 halves: it must travel as row blocks, as a wide head does in 15 MiB parts
+    assert max(t.numel() * 2 for t in sd.values()) > limit
+    parts = weight_parts(sd, limit=limit)
+    assert len(parts) > 2 and all(sum(t.numel() * t.element_size() for t in p.values()) <= limit for p in parts)
     for k, part in enumerate(parts):
         save_file(part, str(tmp_path / ("drafter_x.safetensors" + (f".{k}" if k else ""))),
                   metadata={"config": json.dumps(d.cfg)})
@@ -273,6 +276,17 @@ def test_a_drafter_returned_in_parts_lands_whole(tmp_path):
     back = load_file(str(folder / "model.safetensors"))
     assert set(back) == set(sd) and all(np.array_equal(back[k], sd[k].numpy()) for k in sd)
     assert json.loads((folder / "config.json").read_text()) == d.cfg
+    # what a run starting from those parts reads (torch tensors)
+    from safetensors.torch import load_file as load_torch
+
+    files = part_files(tmp_path / "drafter_x.safetensors")
+    again = joined({k: t for f in files for k, t in load_torch(str(f)).items()})
+    assert set(again) == set(sd) and all(bool((again[k] == sd[k]).all()) for k in sd)
+    # a part that did not come back is one error line, not a drafter without its head
+    (tmp_path / "drafter_x.safetensors.1").unlink()
+    with pytest.raises(SystemExit) as e:
+        drafter_folders(tmp_path, tmp_path / "out2")
+    assert e.value.code == 2 and "drafter_x.safetensors.1" in capsys.readouterr().err
 
 
 def test_a_fused_drafter_grown_again_keeps_its_fusion_and_a_run_reads_its_layers(tmp_path):

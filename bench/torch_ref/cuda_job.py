@@ -764,15 +764,32 @@ def start_config(drafter_dir: Path, init: Path | None) -> dict[str, Any]:
 
 def part_files(first: Path) -> list[Path]:
     """A weights file and the parts that continue it (`first.1`, `first.2`, ... as `weight_parts` splits them)."""
-    rest = [p for p in first.parent.glob(f"{first.name}.*") if p.suffix[1:].isdigit()]
-    return [first, *sorted(rest, key=lambda p: int(p.suffix[1:]))]
+    rest = sorted((p for p in first.parent.glob(f"{first.name}.*") if p.suffix[1:].isdigit()),
+                  key=lambda p: int(p.suffix[1:]))
+    if [int(p.suffix[1:]) for p in rest] != list(range(1, len(rest) + 1)):
+        _fail(f"parts of {first} missing: found {', '.join(p.name for p in rest)}; every part from "
+              f"{first.name}.1 on must be there")
+    return [first, *rest]
+
+
+ROW_BLOCK = ":rows"  # a tensor larger than a part travels as row blocks `<name>:rows0`, `<name>:rows1`, ...
 
 
 def weight_parts(sd: dict[str, Any], limit: int = PART_BYTES) -> list[dict[str, Any]]:
-    """The tensors of a state dict in groups of at most `limit` bytes each (one group where they fit)."""
+    """The tensors of a state dict in groups of at most `limit` bytes each (one group where they fit); a tensor
+    larger than `limit` is cut into blocks of whole rows (`ROW_BLOCK`) that fit, which `joined` puts together."""
+    pieces: list[tuple[str, Any]] = []
+    for k, t in sd.items():
+        n = t.numel() * t.element_size()
+        if n <= limit or t.dim() == 0:
+            pieces.append((k, t))
+            continue
+        rows = max(1, limit // (n // t.shape[0]))
+        pieces += [(f"{k}{ROW_BLOCK}{i}", t[r:r + rows].contiguous())
+                   for i, r in enumerate(range(0, t.shape[0], rows))]
     parts: list[dict[str, Any]] = [{}]
     size = 0
-    for k, t in sd.items():
+    for k, t in pieces:
         n = t.numel() * t.element_size()
         if parts[-1] and size + n > limit:
             parts.append({})
@@ -780,6 +797,27 @@ def weight_parts(sd: dict[str, Any], limit: int = PART_BYTES) -> list[dict[str, 
         parts[-1][k] = t
         size += n
     return parts
+
+
+def joined(weights: dict[str, Any]) -> dict[str, Any]:
+    """`weights` (torch tensors or numpy arrays) with the row blocks `weight_parts` cut put back together."""
+    out = {k: t for k, t in weights.items() if ROW_BLOCK not in k}
+    blocks: dict[str, dict[int, Any]] = {}
+    for k, t in weights.items():
+        if ROW_BLOCK in k:
+            name, i = k.rsplit(ROW_BLOCK, 1)
+            blocks.setdefault(name, {})[int(i)] = t
+    for name, got in blocks.items():
+        if sorted(got) != list(range(len(got))):
+            _fail(f"row blocks of {name} missing: got {sorted(got)}; copy every part of the drafter file")
+        seq = [got[i] for i in range(len(got))]
+        if type(seq[0]).__module__.startswith("torch"):
+            import torch
+
+            out[name] = torch.cat(seq)
+        else:
+            out[name] = np.concatenate(seq)
+    return out
 
 
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
@@ -796,8 +834,8 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
 
     device = train_f.hidden.device
     base_cfg = start_config(drafter_dir, init)
-    weights = {k: t for part in part_files(init or drafter_dir / "model.safetensors")
-               for k, t in load_file(str(part)).items()}
+    weights = joined({k: t for part in part_files(init or drafter_dir / "model.safetensors")
+                      for k, t in load_file(str(part)).items()})
     n_greedy = len(train_f) if greedy_starts is None else greedy_starts
     embed_w = model.model.embed_tokens.weight.detach().float()
 
@@ -1099,6 +1137,7 @@ def drafter_folders(result_dir: Path, dest: Path) -> list[Path]:
                 weights.update({k: st.get_tensor(k) for k in st.keys()})
                 if part == f:
                     meta = (st.metadata() or {}).get("config")
+        weights = joined(weights)
         cfg = json.loads(meta) if meta else {**shipped, "num_draft_layers": sum(
             k.startswith("lm_head.") and k.endswith(".linear.weight") for k in weights)}
         folder = dest / f.stem.removeprefix("drafter_")
