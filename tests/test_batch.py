@@ -355,3 +355,33 @@ def test_the_budget_gives_each_row_the_length_its_kind_of_draft_pays_for():
                        seconds=1.0 + 0.1 * (tokens - 4))
     assert lengths == [8, 1, 8, 1]
     assert budget.acceptance("lookup4") > 0.9 and budget.acceptance("rnn") < budget.prior
+
+
+def test_a_cost_curve_that_other_work_shaped_is_not_taken_for_the_machines():
+    """No model needed. A quiet curve rises with the tokens per row; one where a longer candidate cost less than a
+    shorter one, whose repeats were far apart, or measured with most cores busy, priced the other work."""
+    rising = {b: [0.03 * b * (1 + 0.1 * p) for p in range(8)] for b in (1, 2)}
+    assert CostCurve(rising).unsteady() is None
+    assert CostCurve(rising, meta={"spread": 0.05, "load": 0.4, "cores": 2}).unsteady() is None
+    dip = {1: rising[1], 2: rising[2][:3] + [0.5 * rising[2][3]] + rising[2][4:]}
+    assert "4 tokens per row cost less than 3 at batch 2" in CostCurve(dip).unsteady()
+    assert "apart" in CostCurve(rising, meta={"spread": 0.6}).unsteady()
+    assert "load 3.0 on 2 cores" in CostCurve(rising, meta={"load": 3.0, "cores": 2}).unsteady()
+
+
+def test_a_measured_cost_curve_is_kept_only_when_measured_quiet(target, tmp_path, monkeypatch):
+    """The real model, measured for batches 1-2 and 1-2 tokens per row: kept beside the tuned settings exactly
+    when it looks quiet (this test may run beside other work); a kept curve that does not look quiet (kept before
+    this check existed) is measured again rather than trusted."""
+    from mlx_redrafter.batch.budget import curve_file, measured_curve, stored_curve
+
+    monkeypatch.setenv("REDRAFTER_TUNED_FILE", str(tmp_path / "tuned.json"))
+    said: list[str] = []
+    curve = measured_curve(target.model, "smollm2-135m", "here", 2, 2, log=said.append)
+    assert sorted(curve.seconds) == [1, 2] and all(len(v) == 2 for v in curve.seconds.values())
+    assert {"spread", "load", "cores"} <= set(curve.meta)
+    kept = curve_file("smollm2-135m", "here").exists()
+    assert kept == (curve.unsteady() is None)
+    assert kept or any("busy" in m and "next run measures again" in m for m in said)
+    CostCurve({1: [0.02, 0.01], 2: [0.04, 0.05]}).save(curve_file("smollm2-135m", "here"))
+    assert stored_curve("smollm2-135m", "here", 2, 2) is None

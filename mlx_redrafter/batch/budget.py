@@ -6,14 +6,16 @@ until B x P reaches the point where the products stop being bound by reading the
 with every token. Speculation spends that flat part: a row whose drafts are often accepted gains from a longer
 candidate, a batch of rows whose drafts are rejected loses. `CostCurve` is that cost, measured on this machine for
 this model (`stored_curve` / `measured_curve`: measured once, at the first batched run, and kept beside the tuned
-settings; `python -m bench curve` measures and plots it); `Budget` reads it with the recent acceptance of the kind
-of draft each row makes this step (a context copy, by the length of its match, or the drafter's) and picks, every
-step, each row's candidate length (1 for every row = a plain batched step: speculation backs off).
+settings unless the machine was busy meanwhile; `python -m bench curve` measures and plots it); `Budget` reads it
+with the recent acceptance of the kind of draft each row makes this step (a context copy, by the length of its
+match, or the drafter's) and picks, every step, each row's candidate length (1 for every row = a plain batched
+step: speculation backs off).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections import deque
@@ -79,6 +81,7 @@ class CostCurve:
             return time.perf_counter() - t
 
         times: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         for r in range(repeats + 1):
             for b, p in cells:
                 t = forward_s(b, p)
@@ -86,8 +89,27 @@ class CostCurve:
                     times[(b, p)].append(t)
             if progress:
                 progress(r, repeats)
+        spread = statistics.median((max(v) - min(v)) / statistics.median(v) for v in times.values())
         return cls({b: [statistics.median(times[(b, p)]) for p in range(1, max_tokens + 1)] for b in batches},
-                   context)
+                   context, {"spread": round(spread, 4), "load": round(load, 2), "cores": os.cpu_count() or 1})
+
+    def unsteady(self) -> str | None:
+        """Why this curve does not look measured on a quiet machine, or None: a longer candidate measured cheaper
+        than a shorter one at the same batch size (beyond `STEADY_DIP`), repeats of a cell further apart than
+        `STEADY_SPREAD` of their median (the median over the cells), or other work keeping more than half the cores
+        busy when the measurement began. Such a curve prices candidates by what the other work did, so it serves
+        the run that measured it and is not kept."""
+        for b, v in sorted(self.seconds.items()):
+            for p in range(1, len(v)):
+                if v[p] < STEADY_DIP * max(v[:p]):
+                    return f"{p + 1} tokens per row cost less than {p} at batch {b}"
+        spread = self.meta.get("spread")
+        if spread is not None and spread > STEADY_SPREAD:
+            return f"repeated forwards {spread:.0%} apart"
+        load, cores = self.meta.get("load"), self.meta.get("cores")
+        if load is not None and cores and load > cores / 2:
+            return f"load {load:.1f} on {cores} cores"
+        return None
 
     def to_dict(self) -> dict:
         return {"seconds": {str(b): [round(s, 6) for s in v] for b, v in self.seconds.items()},
@@ -300,6 +322,8 @@ class Budget:
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
 RATIO_WINDOW = 5  # plain / speculative pairs behind each measured cost ratio (their median)
+STEADY_DIP = 0.85  # a longer candidate measured below this share of a shorter one's cost: the machine was busy
+STEADY_SPREAD = 0.25  # repeats of a cell this far apart (share of their median): the machine was busy
 CURVE_VERSION = 2  # bumped when the target forward's cost changes shape, so that kept curves are measured again
 
 
@@ -312,18 +336,20 @@ def curve_file(model: str, fingerprint: str) -> Path:
 
 
 def stored_curve(model: str, fingerprint: str, batch: int, length: int) -> CostCurve | None:
-    """The kept curve if it covers batches up to `batch` and `length` tokens per row, else None."""
+    """The kept curve if it covers batches up to `batch` and `length` tokens per row and looks measured on a quiet
+    machine (`CostCurve.unsteady`: one kept by an earlier version may not), else None."""
     path = curve_file(model, fingerprint)
     if not path.exists():
         return None
     curve = CostCurve.load(path)
     ok = all(b in curve.seconds and len(curve.seconds[b]) >= length for b in range(1, batch + 1))
-    return curve if ok else None
+    return curve if ok and curve.unsteady() is None else None
 
 
 def measured_curve(target_model, model: str, fingerprint: str, batch: int, length: int, log=None) -> CostCurve:
     """The kept curve, or one measured now for batches 1..`batch` (at most 8: larger batches scale the cost of
-    8 rows) and 1..`length` tokens per row (a few seconds, once per model, machine and size) and kept."""
+    8 rows) and 1..`length` tokens per row (a few seconds, once per model, machine and size) and kept unless the
+    machine was busy while it was measured (then it serves this run, and the next run measures again)."""
     batch = min(batch, MEASURED_BATCHES)
     curve = stored_curve(model, fingerprint, batch, length)
     if curve is not None:
@@ -332,7 +358,13 @@ def measured_curve(target_model, model: str, fingerprint: str, batch: int, lengt
         log(f"measuring the cost of batched target calls (batches 1-{batch}, 1-{length} tokens per row), once "
             f"for this model on this machine: {curve_file(model, fingerprint)}")
     curve = CostCurve.measure(target_model, list(range(1, batch + 1)), length, repeats=3)
-    curve.meta = {"model": model, "machine": fingerprint}
+    curve.meta.update(model=model, machine=fingerprint)
+    why = curve.unsteady()
+    if why is not None:
+        if log:
+            log(f"the machine was busy while the cost of batched calls was measured ({why}): the measurement "
+                f"serves this run only, and the next run measures again")
+        return curve
     try:
         curve.save(curve_file(model, fingerprint))
     except OSError:
