@@ -252,6 +252,26 @@ def test_a_drafter_grown_to_fuse_tapped_layers_starts_as_it_was():
         assert torch.equal(g.logits(context_of(g, batch, taps), s), d.logits(context_of(d, batch, taps), s))
 
 
+def test_a_noisy_variant_reads_the_states_within_its_noise_and_evaluates_them_clean():
+    import torch
+
+    from bench.torch_ref.cuda_job import VARIANTS, context_of, grown
+    from bench.torch_ref.drafter import TorchDrafter, random_torch_drafter
+
+    d = random_torch_drafter(16, 40, exit_dim=12, num_draft_layers=2)
+    taps = VARIANTS["soft-fuse3-wide-noise"].taps
+    batch = {"h": torch.randn(3, 16), "taps": torch.randn(3, len(taps), 16)}
+    a = VARIANTS["soft-fuse3-wide-noise"].noise
+    noisy = context_of(d, batch, taps, a)
+    assert 0 < (noisy - batch["h"]).abs().max() <= a and torch.equal(context_of(d, batch, taps), batch["h"])
+    w, cfg = grown(d.state_dict(), d.cfg, taps=taps)
+    g = TorchDrafter(cfg)
+    g.load_state_dict(w, strict=True)  # fused: the noise goes on the states before the fusion, as in train/loop.py
+    with torch.no_grad():
+        assert not torch.equal(context_of(g, batch, taps, a), context_of(g, batch, taps))
+        assert torch.equal(context_of(g, batch, taps), context_of(g, batch, taps))
+
+
 def test_a_drafter_returned_in_parts_lands_whole(tmp_path, capsys):
     import json
 
