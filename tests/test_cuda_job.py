@@ -359,3 +359,20 @@ def test_a_packed_corpus_unpacks_into_the_sequences_it_holds(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         unpack_corpus(pack, [tmp_path / "job"], tmp_path / "again")
     assert e.value.code == 2 and "corpus.xz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["prepare", "--max-shards", "-1"], "--max-shards -1"),
+    (["run", "--out", "x", "--variants", "soft,bogus"], "unknown variant(s) bogus"),
+])
+def test_bad_options_of_the_cuda_job_are_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from bench.torch_ref.cuda_job import main
+
+    monkeypatch.setattr(sys, "argv", ["cuda_job", *argv, "--job", str(tmp_path / "job")])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and says in err and err.count("\n") == 1
+    assert not (tmp_path / "job").exists()

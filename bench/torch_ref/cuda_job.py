@@ -1262,6 +1262,8 @@ def _main() -> None:
         unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
         if unknown:
             _fail(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    if a.cmd == "prepare" and a.max_shards is not None and a.max_shards < 0:
+        _fail(f"--max-shards {a.max_shards}: give a count of shards, 0 or more (0: a job for training only)")
     if a.cmd == "prepare":
         prepare(a.job, a.prompts, a.corpus, from_end=a.from_end, max_shards=a.max_shards,
                 text_corpus=a.text_corpus)
