@@ -574,31 +574,43 @@ class Features:
         self.taps = taps
         self.tap_hidden = torch.empty((S, len(taps), H), dtype=torch.float16, device=device) if taps else None
         def compute(first: int, end: int) -> None:  # the features of sequences first..end-1
+            def dev(pieces: list[np.ndarray]) -> Any:
+                return torch.from_numpy(np.concatenate(pieces).astype(np.int64)).to(device)
+
             for part in _batches(lens[first:end], 512, max_tokens):
                 part = [first + i for i in part]
                 n = max(lens[i] for i in part)
-                ids = torch.full((len(part), n), 0, dtype=torch.long, device=device)
-                am = torch.zeros((len(part), n), dtype=torch.long, device=device)
+                ids = np.zeros((len(part), n), np.int64)
+                am = np.zeros((len(part), n), np.int64)
+                ctx_b, ctx_p, ctx_dst, start_b, start_p, start_dst, tok, ends = [], [], [], [], [], [], [], []
                 for b, i in enumerate(part):  # right padding: positions 0..n-1, causal attention never sees pads
-                    ids[b, : lens[i]] = self.tokens[starts[i]:starts[i] + lens[i]]
+                    ids[b, : lens[i]] = seqs[i][0]
                     am[b, : lens[i]] = 1
-                h = model.model(input_ids=ids, attention_mask=am).last_hidden_state  # post-norm
-                for b, i in enumerate(part):
-                    P, c0, c1 = seqs[i][1], int(cstart[i]), int(cstart[i + 1])
-                    s0, s1 = int(sstart[i]), int(sstart[i + 1])
-                    hp = h[b, P - 1 : lens[i] - 1]
-                    self.hidden[s0:s1] = hp[::stride].half()
-                    for j, layer in enumerate(taps):
-                        tapped = caught[layer][b, P - 1 : lens[i] - 1][::stride]
-                        self.tap_hidden[s0:s1, j] = rms_normalized(tapped).half()
-                    for r0 in range(0, len(hp), 8192):
-                        logits = model.lm_head(hp[r0 : r0 + 8192]).float()
-                        v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
-                        self.top_ids[c0 + r0 : c0 + r0 + len(k)] = k.int()
-                        self.top_logp[c0 + r0 : c0 + r0 + len(k)] = v.half()
-                    self.tok_index[c0:c1] = torch.arange(int(starts[i]) + P - 1, int(starts[i]) + lens[i] - 1,
-                                                         device=device)
-                    self.seq_end[c0:c1] = int(starts[i + 1])
+                    pos = np.arange(seqs[i][1] - 1, lens[i] - 1)  # its context positions
+                    ctx_b.append(np.full(len(pos), b))
+                    ctx_p.append(pos)
+                    ctx_dst.append(np.arange(cstart[i], cstart[i + 1]))
+                    start_b.append(np.full(len(pos[::stride]), b))
+                    start_p.append(pos[::stride])
+                    start_dst.append(np.arange(sstart[i], sstart[i + 1]))
+                    tok.append(starts[i] + pos)
+                    ends.append(np.full(len(pos), starts[i + 1]))
+                # one gather and one scatter per batch for every sequence in it (small per-sequence copies and
+                # products cost more in launches than in arithmetic on a GPU)
+                h = model.model(input_ids=torch.from_numpy(ids).to(device),
+                                attention_mask=torch.from_numpy(am).to(device)).last_hidden_state  # post-norm
+                sb, sp, sd = dev(start_b), dev(start_p), dev(start_dst)
+                self.hidden[sd] = h[sb, sp].half()
+                for j, layer in enumerate(taps):
+                    self.tap_hidden[sd, j] = rms_normalized(caught[layer][sb, sp]).half()
+                cb, cp, cd = dev(ctx_b), dev(ctx_p), dev(ctx_dst)
+                for r0 in range(0, len(cd), 8192):
+                    logits = model.lm_head(h[cb[r0 : r0 + 8192], cp[r0 : r0 + 8192]]).float()
+                    v, k = torch.log_softmax(logits, -1).topk(TOP_K, dim=-1)
+                    self.top_ids[cd[r0 : r0 + 8192]] = k.int()
+                    self.top_logp[cd[r0 : r0 + 8192]] = v.half()
+                self.tok_index[cd] = dev(tok)
+                self.seq_end[cd] = dev(ends)
 
         done = len(seqs)
         bounds = np.unique(np.linspace(0, done, chunks + 1).astype(int)) if deadline is not None else [0, done]
