@@ -215,6 +215,39 @@ def test_a_stopped_data_job_exits_cleanly_even_started_with_ctrl_c_ignored(tmp_p
         assert not list((tmp_path / "c").glob("*/shard-*.npz")), sig.name  # stopped before a shard was written
 
 
+
+def test_a_stopped_training_exits_cleanly_and_says_where_a_rerun_goes_on(tmp_path):
+    """`train` is long work too (hours here): Ctrl-C, even where a script's shell ignores it, stops it with status
+    130, no traceback, and a line saying what a rerun starts from (SIGTERM takes the same path: `stops_cleanly`, as
+    the data job's test above shows for both)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from one_line import cli_env
+
+    corpus = Path(__file__).resolve().parents[1] / "data" / "corpus" / "smollm2-135m"
+    for sig in (signal.SIGINT,):
+        p = subprocess.Popen([sys.executable, "-m", "mlx_redrafter.cmd.main", "train", "--corpus", str(corpus),
+                              "--shards", "1", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+                              "--features", str(tmp_path / "f")],
+                             env=cli_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        first = p.stderr.readline()
+        assert "step 1/3: features" in first, first  # the model is loaded and the feature pass begins
+        time.sleep(1)
+        p.send_signal(sig)
+        try:
+            err = p.communicate(timeout=120)[1]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"train ran on after {sig.name}")
+        assert p.returncode == 130 and "Traceback" not in err, (sig.name, p.returncode, err[-2000:])
+        assert "stopped: no checkpoint yet" in err and "the same command goes on" in err, err[-2000:]
+
+
 def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target, prompts_file, tmp_path):
     root, messages, settings = tmp_path / "c", [], replace(SETTINGS, max_new_tokens=8)  # short answers: resuming
     first = build(target, prompts_file, root, settings, max_shards=2, progress=False, log=messages.append)

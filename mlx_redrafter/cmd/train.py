@@ -295,12 +295,18 @@ def train(
         corpus_tokens = steps * batch
         typer.echo(f"training on the first {corpus_tokens:,} response tokens of each corpus (--steps x --batch: "
                    f"one pass; --corpus-tokens or --shards to choose)", err=True)
-    tr, ho, used = prepare(target, corpora, features, corpus_tokens,
-                           heldout=heldout or corpora[0],
-                           log=lambda m: typer.echo(m, err=True), shards=only, layers=layers)
-    t1 = time.perf_counter()
-    typer.echo(f"step 2/3: training ({steps} steps) -> {run_dir}", err=True)
-    drafter, summary = train_drafter(target, tr, ho, run_dir, cfg, resume=resume, log=lambda m: typer.echo(m, err=True))
+    with c.stops_cleanly():  # Ctrl-C or SIGTERM: the features done and the last checkpoint stay for a rerun
+        try:
+            tr, ho, used = prepare(target, corpora, features, corpus_tokens,
+                                   heldout=heldout or corpora[0],
+                                   log=lambda m: typer.echo(m, err=True), shards=only, layers=layers)
+            t1 = time.perf_counter()
+            typer.echo(f"step 2/3: training ({steps} steps) -> {run_dir}", err=True)
+            drafter, summary = train_drafter(target, tr, ho, run_dir, cfg, resume=resume,
+                                             log=lambda m: typer.echo(m, err=True))
+        except KeyboardInterrupt:
+            typer.echo(f"stopped: {resume_point(run_dir)}; the same command goes on from there", err=True)
+            raise
     timings = {"features_s": round(t1 - t0), "train_s": round(time.perf_counter() - t1)}
     extra = ""
     if eval_prompts:
@@ -320,6 +326,15 @@ def train(
     save_shipped(drafter, out, model_card(target.name, cfg, summary, used, timings, extra), float16=float16)
     typer.echo(f"step 3/3: saved {out}", err=True)
 
+
+
+def resume_point(run_dir: Path) -> str:
+    """What a rerun of a stopped `train` starts from: the checkpoint's step, or the features computed so far."""
+    try:
+        step = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"]
+        return f"the checkpoint in {run_dir / 'checkpoint'} holds step {step}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no checkpoint yet, the features computed so far are kept"
 
 
 def feature_layer_list(text: str | None) -> tuple[int, ...]:
