@@ -6,7 +6,7 @@
  * all M dot products from it, and hands every other product to the real BLAS. On AVX-512 it takes every M: more
  * than 32 rows of x (prefills, large batches) run as blocks of 64 weight rows, each times every 32-row chunk of x
  * while it sits in cache; measured on an AMD EPYC, 1.4-2.2x faster than MKL (whose AMD code path is AVX2) from 33 to
- * 512 rows. On AVX2 + FMA it takes M <= 128 (past 8 rows: tiles of 4 weight rows times chunks of 2-3 rows of x),
+ * 512 rows. On AVX2 + FMA it takes M <= 128 (past 8 rows: tiles of 3 weight rows times chunks of 3-4 rows of x),
  * where it is faster than MKL on Zen 3 (past 128 rows MKL is). Each output element is computed in the same order
  * whatever M is, so a token's logits do not depend on how many tokens were verified or prefilled with it (on AVX2,
  * up to 128).
@@ -31,7 +31,7 @@ void redrafter_gemm_set_threads(int threads) { n_threads = threads > 0 ? threads
 void redrafter_gemm_enable(int on) { enabled = on; }
 long redrafter_gemm_calls(int fast) { return fast ? fast_calls : slow_calls; }
 /* Bumped whenever the kernels' speed changes, so costs measured with an older build are measured again. */
-int redrafter_gemm_version(void) { return 8; }
+int redrafter_gemm_version(void) { return 9; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -159,14 +159,16 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
             for (int m = 0; m < MM; m++) y[(size_t)m * ldy + n] = hsum256(acc[m]);                           \
         }                                                                                                    \
     }
-/* AVX2 tiles for many rows of x: R = 4 weight rows (read from L1 by every chunk of x once the first has loaded
- * them, which prefetches the next tile into L2) times MM <= 3 rows of x. Past 8 rows, chunks of up to 8 rows against
- * one weight row at a time (the kernels above) ran at 35-60% of these tiles' speed on Zen 3 (a product of 64 rows by
- * the MLP's down weight: 37 against 70-77 GF/s on one core). */
+/* AVX2 tiles for many rows of x: R = 3 weight rows (read from L1 by every chunk of x once the first has loaded
+ * them, which prefetches the next tile into L2) times MM <= 4 rows of x: 12 accumulators, 3 weight vectors and one
+ * row of x fill the 16 registers (tiles of 4 weight rows x 3 rows of x need 17, and gcc kept an accumulator on the
+ * stack: a store and a reload in its chain every 8 values of k; the data engine's 64-row step ran 1.05-1.08x slower).
+ * Past 8 rows, chunks of up to 8 rows against one weight row at a time (the kernels above) ran at 35-60% of the
+ * speed of tiles on Zen 3. */
 #define TILE2(MM, R)                                                                                         \
     TILE(t, "avx2,fma", __m256, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, hsum256, _MM_HINT_T1, \
          MM, R)
-TILE2(3, 4) TILE2(2, 4) TILE2(3, 1) TILE2(2, 1)
+TILE2(4, 3) TILE2(3, 3) TILE2(4, 1) TILE2(3, 1)
 
 KERNEL2(1, 8)
 KERNEL2(2, 4)
@@ -204,21 +206,21 @@ static void rows(const float *x, const float *w, float *y, int M, int K, int ldy
         avx2_kernels[M](x, w, y, K, ldy, n0, n1);
         return;
     }
-    /* More rows: each tile of 4 weight rows times every chunk of x (3 rows, the last few of 2) while it sits in L1;
-       the first chunk prefetches the next tile into L2 (+5-10% where the weights come from memory; it cost as much
-       where a tile is past 16 KB, the MLP's down weight). */
-    int chunks = (M + 2) / 3, small = M / chunks, big = M % chunks, pf = K <= 1024;
+    /* More rows: each tile of 3 weight rows times every chunk of x (4 rows, some of 3: M >= 9 never leaves fewer)
+       while it sits in L1; the first chunk prefetches the next tile into L2 (+5-10% where the weights come from
+       memory; it cost as much where a tile is past 16 KB, the MLP's down weight). */
+    int chunks = (M + 3) / 4, small = M / chunks, big = M % chunks, pf = K <= 1024;
     int n = n0;
-    for (; n + 4 <= n1; n += 4)
+    for (; n + 3 <= n1; n += 3)
         for (int c = 0, m = 0; c < chunks; m += small + (c < big), c++) {
-            int ahead = pf && c == 0 && n + 8 <= n1;
-            if (small + (c < big) == 3) t_3_4(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, ahead);
-            else t_2_4(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, ahead);
+            int ahead = pf && c == 0 && n + 6 <= n1;
+            if (small + (c < big) == 4) t_4_3(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, ahead);
+            else t_3_3(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, ahead);
         }
     for (; n < n1; n++)
         for (int c = 0, m = 0; c < chunks; m += small + (c < big), c++) {
-            if (small + (c < big) == 3) t_3_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0);
-            else t_2_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0);
+            if (small + (c < big) == 4) t_4_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0);
+            else t_3_1(x + (size_t)m * K, w, y + (size_t)m * ldy, K, ldy, n, 0);
         }
 }
 
