@@ -182,11 +182,10 @@ def test_rows_a_group_skips_count_before_its_answers(target, prompts_file, corpu
     assert calls[0] == (skipped, 0) and all(tokens > 0 for units, tokens in calls[1:] if units)
 
 
-def test_a_stopped_data_job_exits_cleanly_even_started_with_ctrl_c_ignored(tmp_path):
-    """`make distill` starts its workers in the background of a shell, which starts them with Ctrl-C ignored: they
-    used to run on after the make had stopped. A worker now stops on Ctrl-C (and SIGTERM) with status 130 and no
-    traceback."""
-    import os
+def _stopped_while_running(args: list[str], tmp_path, sig, started: str, stderr_first: bool = False) -> str:
+    """Run `redrafter-mlx ARGS` with Ctrl-C ignored (as a script's shell starts background commands), send `sig`
+    a second after its first line (on stdout, or stderr) holds `started`; it must stop with status 130 and no
+    traceback. Returns its stderr."""
     import signal
     import subprocess
     import sys
@@ -194,26 +193,35 @@ def test_a_stopped_data_job_exits_cleanly_even_started_with_ctrl_c_ignored(tmp_p
 
     from one_line import cli_env
 
+    p = subprocess.Popen([sys.executable, "-m", "mlx_redrafter.cmd.main", *args], env=cli_env(tmp_path), cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    first = (p.stderr if stderr_first else p.stdout).readline()
+    assert started in first, first
+    time.sleep(1)
+    p.send_signal(sig)
+    try:
+        err = p.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail(f"{args[0]} ran on after {sig.name}")
+    assert p.returncode == 130 and "Traceback" not in err, (sig.name, p.returncode, err[-2000:])
+    return err
+
+
+def test_a_stopped_data_job_exits_cleanly_even_started_with_ctrl_c_ignored(tmp_path):
+    """`make distill` starts its workers in the background of a shell, which starts them with Ctrl-C ignored: they
+    used to run on after the make had stopped. A worker now stops on Ctrl-C (and SIGTERM) with status 130 and no
+    traceback."""
+    import signal
+
     prompts = tmp_path / "p.jsonl"  # enough answers to be stopped in the middle of them
     prompts.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}.", "source": "oasst"}) + "\n"
                                for i in range(100)))
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        p = subprocess.Popen([sys.executable, "-m", "mlx_redrafter.cmd.main", "distill", "--prompts", str(prompts),
-                              "--corpus", str(tmp_path / "c"), "--features", str(tmp_path / "f"), "--nice", "0"],
-                             env=cli_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-        first = p.stdout.readline()
-        assert "shards to make" in first, first  # the plan's line: the worker has started generating
-        time.sleep(1)
-        os.kill(p.pid, sig)
-        try:
-            err = p.communicate(timeout=120)[1]
-        except subprocess.TimeoutExpired:
-            p.kill()
-            pytest.fail(f"the worker ran on after {sig.name}")
-        assert p.returncode == 130 and "Traceback" not in err, (sig.name, p.returncode, err[-2000:])
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the plan's line: the worker has started generating
+        _stopped_while_running(["distill", "--prompts", str(prompts), "--corpus", str(tmp_path / "c"),
+                                "--features", str(tmp_path / "f"), "--nice", "0"], tmp_path, sig, "shards to make")
         assert not list((tmp_path / "c").glob("*/shard-*.npz")), sig.name  # stopped before a shard was written
-
 
 
 def test_a_stopped_training_exits_cleanly_and_says_where_a_rerun_goes_on(tmp_path):
@@ -221,31 +229,13 @@ def test_a_stopped_training_exits_cleanly_and_says_where_a_rerun_goes_on(tmp_pat
     130, no traceback, and a line saying what a rerun starts from (SIGTERM takes the same path: `stops_cleanly`, as
     the data job's test above shows for both)."""
     import signal
-    import subprocess
-    import sys
-    import time
     from pathlib import Path
 
-    from one_line import cli_env
-
     corpus = Path(__file__).resolve().parents[1] / "data" / "corpus" / "smollm2-135m"
-    for sig in (signal.SIGINT,):
-        p = subprocess.Popen([sys.executable, "-m", "mlx_redrafter.cmd.main", "train", "--corpus", str(corpus),
-                              "--shards", "1", "--steps", "1", "--run-dir", str(tmp_path / "run"),
-                              "--features", str(tmp_path / "f")],
-                             env=cli_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-        first = p.stderr.readline()
-        assert "step 1/3: features" in first, first  # the model is loaded and the feature pass begins
-        time.sleep(1)
-        p.send_signal(sig)
-        try:
-            err = p.communicate(timeout=120)[1]
-        except subprocess.TimeoutExpired:
-            p.kill()
-            pytest.fail(f"train ran on after {sig.name}")
-        assert p.returncode == 130 and "Traceback" not in err, (sig.name, p.returncode, err[-2000:])
-        assert "stopped: no checkpoint yet" in err and "the same command goes on" in err, err[-2000:]
+    err = _stopped_while_running(["train", "--corpus", str(corpus), "--shards", "1", "--steps", "1", "--run-dir",
+                                  str(tmp_path / "run"), "--features", str(tmp_path / "f")], tmp_path, signal.SIGINT,
+                                 "step 1/3: features", stderr_first=True)  # the model is loaded, features begin
+    assert "stopped: no checkpoint yet" in err and "the same command goes on" in err, err[-2000:]
 
 
 def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target, prompts_file, tmp_path):
