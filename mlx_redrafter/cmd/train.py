@@ -330,10 +330,12 @@ def train(
 
 def resume_point(run_dir: Path) -> str:
     """What a rerun of a stopped `train` starts from: the checkpoint's step, or the features computed so far."""
+    from mlx_redrafter.files import read_json
+
+    state = run_dir / "checkpoint" / "trainer_state.json"
     try:
-        step = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"]
-        return f"the checkpoint in {run_dir / 'checkpoint'} holds step {step}"
-    except (OSError, ValueError, KeyError, TypeError):
+        return f"the checkpoint in {state.parent} holds step {read_json(state, 'training state')['step']}"
+    except (UserError, KeyError, TypeError):
         return "no checkpoint yet, the features computed so far are kept"
 
 
