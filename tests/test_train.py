@@ -478,3 +478,23 @@ def test_eval_drafter_drafts_from_the_head_rows_it_is_given():
     assert out["drafter_vocab"] == 4096 and out["results"][0]["steps"] > 0
     res = lm.invoke(app, [*args, "--drafter-vocab", "99999"])
     assert res.exit_code == 2 and "error: --drafter-vocab must be between 1 and the drafter's 8192" in res.output
+
+
+def test_eval_drafter_replay_decides_what_decoding_decides():
+    """Replaying the greedy answers gives the tokens per call that decoding the prompts gives, for a chain and a
+    tree of the shipped (layer-fusing) drafter and for the default mode's lookup-else-rnn."""
+    lm = CliRunner()
+    for draft, widths in (("rnn", "1,2"), ("lookup-else-rnn", "1")):
+        args = ["eval-drafter", "--num-prompts", "2", "--widths", widths, "--lengths", "3", "--max-tokens", "32",
+                "--draft", draft, "--json"]
+        runs = {}
+        for how in ("decode", "replay"):
+            res = lm.invoke(app, args + (["--replay"] if how == "replay" else []))
+            assert res.exit_code == 0, res.output
+            runs[how] = json.loads(res.stdout.strip().splitlines()[-1])
+        assert runs["replay"]["method"] == "replay" and runs["decode"]["method"] == "decode"
+        for d, r in zip(runs["decode"]["results"], runs["replay"]["results"]):
+            assert r["steps"] > 0 and r["draft_ms_per_step"] is None
+            # the same steps, up to one that float rounding between the two forwards may decide otherwise
+            assert abs(r["steps"] - d["steps"]) <= 1, (draft, d, r)
+            assert abs(r["tokens_per_step_pooled"] - d["tokens_per_step_pooled"]) <= 2 / d["steps"], (draft, d, r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 from mlx_redrafter.errors import UserError
@@ -28,12 +29,14 @@ def heldout_prompt_ids(corpus_root: str | Path, num: int, seed: int = 0) -> list
 
 def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: list[int],
              prompts: list[str] | list[list[int]], max_tokens: int, source: str, draft: str = "rnn",
-             drafter_vocab: int | None = None, log=print) -> dict:
+             drafter_vocab: int | None = None, log=print, replay: bool = False) -> dict:
     """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates.
     `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report; `drafter_vocab`
-    is --drafter-vocab (None: the default rows)."""
+    is --drafter-vocab (None: the default rows). `replay`: each cell replays the target's greedy answers (decoded
+    once; `train.replay`) instead of decoding: the same tokens per call up to float rounding, no speeds."""
     from mlx_redrafter import api
     from mlx_redrafter.sweep import check_shapes
+    from mlx_redrafter.train.replay import greedy_answers, replay_answers
 
     if draft == "none":
         raise UserError(f"--draft {draft} drafts nothing to measure: give a drafting mode, e.g. rnn")
@@ -41,6 +44,7 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
     lm = api.load(model, drafter_spec, "float32")
     api.draft_mode(lm, api.decode_options(draft=draft, drafter_vocab=drafter_vocab))  # bad options: one line, now
     ids = [api.encode_prompt(lm, p) for p in prompts]
+    answers = greedy_answers(lm, ids, max_tokens, log) if replay else None
     results = []
     for w in widths:
         for length in lengths:
@@ -48,7 +52,14 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
                                       drafter_vocab=drafter_vocab)
             per_prompt, hist, steps, decided, t0 = [], Counter(), 0, 0.0, time.perf_counter()
             phase = Counter()
-            for p in ids:
+            if answers is not None:
+                for st in replay_answers(answers, partial(api.make_allocator, lm, opts), length, max_tokens):
+                    if st.steps:
+                        per_prompt.append(st.tokens_per_step)
+                        steps += st.steps
+                        decided += st.decided
+                    hist.update(st.accepted_hist)
+            for p in ids if answers is None else ():
                 st = api.generate(lm, p, opts).stats
                 if st.steps:
                     per_prompt.append(st.tokens_per_step)
@@ -62,15 +73,16 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
             rec = {"W": w, "L": length, "tokens_per_step": round(sum(per_prompt) / max(len(per_prompt), 1), 4),
                    "tokens_per_step_pooled": round(decided / max(steps, 1), 4), "steps": steps,
                    "accept_rate_by_position": pos_acc,
-                   "draft_ms_per_step": round(1000 * phase["draft"] / max(steps, 1), 1),
-                   "verify_ms_per_step": round(1000 * phase["verify"] / max(steps, 1), 1),
+                   "draft_ms_per_step": None if replay else round(1000 * phase["draft"] / max(steps, 1), 1),
+                   "verify_ms_per_step": None if replay else round(1000 * phase["verify"] / max(steps, 1), 1),
                    "accepted_hist": {str(k): hist[k] for k in sorted(hist)},
                    "seconds": round(time.perf_counter() - t0, 1)}
             results.append(rec)
             if log:
                 log(str(rec))
     return {"model": lm.target.name, "drafter": lm.drafter_name, "draft": draft, "drafter_vocab": drafter_vocab,
-            "prompts": len(ids), "prompts_source": source, "max_tokens": max_tokens, "results": results}
+            "prompts": len(ids), "prompts_source": source, "max_tokens": max_tokens,
+            "method": "replay" if replay else "decode", "results": results}
 
 
 def format_eval(res: dict) -> str:
@@ -80,7 +92,8 @@ def format_eval(res: dict) -> str:
     cell = {(r["W"], r["L"]): r["tokens_per_step"] for r in res["results"]}
     rows = f", {res['drafter_vocab']} head rows" if res.get("drafter_vocab") is not None else ""
     lines = [f"tokens per target call, {res['model']} + {res['drafter']} ({res['draft']}{rows}), "
-             f"{res['prompts']} prompts of {res['prompts_source']}, greedy, {res['max_tokens']} new tokens", "",
+             f"{res['prompts']} prompts of {res['prompts_source']}, greedy, {res['max_tokens']} new tokens"
+             + (" (replayed)" if res.get("method") == "replay" else ""), "",
              "| W \\ L | " + " | ".join(str(L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
     for w in Ws:
         lines.append(f"| {w} | " + " | ".join(f"{cell[(w, L)]:.2f}" if (w, L) in cell else "" for L in Ls) + " |")

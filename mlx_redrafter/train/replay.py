@@ -5,11 +5,14 @@ candidate is accepted exactly as far as it matches the sequence itself, and the 
 every position is the one stored in the features. Replaying the decode loop over stored sequences therefore
 gives the tokens per target call of greedy speculative decoding (up to float noise between the batched pass
 that stored the states and a one-sequence decode) at the cost of drafting alone. Used to tune draft sources
-and to compare drafters quickly; the real decode (`eval-drafter`, the bench) confirms.
+and to compare drafters quickly; the real decode (`eval-drafter`, the bench) confirms. `greedy_answers` makes such
+sequences from any prompts (the runtime's own answers and one teacher-forced forward for the states, tapped layers
+included), which is what `eval-drafter --replay` replays.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -95,4 +98,46 @@ def replay(shard: Shard, hidden: np.ndarray, make_allocator, length: int, max_to
         P = int(shard.prompt_len[i])
         replay_sequence(shard.sequence(i), P, hidden[starts[i] : starts[i + 1]], make_allocator, length, max_tokens,
                         stats)
+    return stats
+
+
+@dataclass
+class Answer:
+    """A prompt's greedy answer by the runtime and the target's features along it: what replaying it needs."""
+
+    tokens: np.ndarray  # prompt + answer
+    prompt_len: int
+    hidden: np.ndarray  # (answer tokens, F) float32: the features at positions prompt_len - 1 .. n - 2
+
+
+def greedy_answers(lm, prompts: list[list[int]], max_tokens: int, log=None) -> list[Answer]:
+    """Each prompt's greedy answer (the runtime's plain decoding, float32) and the features the loaded drafter
+    reads along it (tapped layers included), from one teacher-forced forward over prompt + answer. `log`, if
+    given, receives a progress line with an ETA now and then."""
+    from mlx_redrafter import api
+    from mlx_redrafter.model import forward_chunked
+
+    model, out, t0 = lm.target.model, [], time.perf_counter()
+    options = api.decode_options(draft="none", max_tokens=max_tokens)
+    for i, ids in enumerate(prompts):
+        seq = list(ids) + api.generate(lm, list(ids), options).tokens
+        cache = model.make_cache(len(seq))
+        _, hidden = forward_chunked(model, cache, mx.array([seq]), all_hidden=True)
+        h = hidden[0, len(ids) - 1 : len(seq) - 1].astype(mx.float32)
+        out.append(Answer(np.array(seq, dtype=np.int32), len(ids), np.array(h)))
+        done = i + 1
+        if log is not None and (done % 10 == 0 or done == len(prompts)):
+            spent = time.perf_counter() - t0
+            log(f"greedy answers to replay: {done}/{len(prompts)}, ETA {spent / done * (len(prompts) - done):.0f} s")
+    return out
+
+
+def replay_answers(answers: list[Answer], make_allocator, length: int, max_tokens: int) -> list[ReplayStats]:
+    """Replay each answer with fresh sources (`make_allocator()`), candidates of `length` tokens: one
+    `ReplayStats` per answer."""
+    stats = []
+    for a in answers:
+        st = ReplayStats()
+        replay_sequence(a.tokens, a.prompt_len, a.hidden, make_allocator, length, max_tokens, st)
+        stats.append(st)
     return stats
