@@ -364,6 +364,7 @@ def test_a_packed_corpus_unpacks_into_the_sequences_it_holds(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["prepare", "--max-shards", "-1"], "--max-shards -1"),
     (["run", "--out", "x", "--variants", "soft,bogus"], "unknown variant(s) bogus"),
+    (["run", "--out", "x", "--min-variant-steps", "-1"], "--min-variant-steps -1"),
 ])
 def test_bad_options_of_the_cuda_job_are_one_error_line(argv, says, tmp_path, monkeypatch, capsys):
     import sys
@@ -376,3 +377,38 @@ def test_bad_options_of_the_cuda_job_are_one_error_line(argv, says, tmp_path, mo
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and says in err and err.count("\n") == 1
     assert not (tmp_path / "job").exists()
+
+
+def test_variants_side_by_side_go_on_only_while_each_gets_its_steps():
+    from bench.torch_ref.cuda_job import variants_that_fit
+
+    two, three = ("a", "b"), ("a", "b", "c")
+    # run 8's step (6.9 ms for one variant) and its 250 s of training: one variant 36k steps, two 18k each
+    assert variants_that_fit(two, 0.0138, 250, 30_000) == ("a",)
+    assert variants_that_fit(two, 0.0138, 450, 30_000) == two  # a faster feature pass leaves 450 s: 32.6k each
+    assert variants_that_fit(three, 0.0207, 450, 30_000) == two
+    assert variants_that_fit(two, 0.0138, 1, 30_000) == ("a",)  # the first trains however little time is left
+    assert variants_that_fit(two, 0.0138, 1, 0) == two
+
+
+def test_a_run_too_short_for_two_variants_trains_and_returns_the_first_alone(target, hf, chat_ids, tmp_path,
+                                                                             monkeypatch):
+    import time
+
+    from bench.torch_ref import cuda_job
+    from bench.torch_ref.cuda_job import Features, train
+    from mlx_redrafter.api import shipped_drafter_path
+    from mlx_redrafter.train.greedy import generate_greedy
+
+    prompts = [chat_ids[3], chat_ids[4]]
+    answers, _ = generate_greedy(target.model, prompts, 12, target.tokenizer.eos_ids)
+    seqs = [(np.array(p + a), len(p)) for p, a in zip(prompts, answers)]
+    feats = Features(hf, seqs, "cpu", taps=(2, 15, 24))
+    monkeypatch.setattr(cuda_job, "TIMED_STEPS", 4)  # a step here takes ~0.3 s, not a GPU's ~7 ms
+    t0 = time.perf_counter()
+    rep = train(hf, feats, feats, shipped_drafter_path(target.name), tmp_path, t0 + 6, t0, batch=4, lr=1e-4,
+                variants=("soft-fuse3", "soft-fuse3-wide"), min_steps=10**9)
+    assert rep["dropped_variants"] == ["soft-fuse3-wide"] and rep["steps"] > 4
+    assert "acc" in rep["soft-fuse3"] and "soft-fuse3-wide" not in rep
+    names = sorted(f.name for f in tmp_path.iterdir())  # the drafter in its parts, and nothing else
+    assert names[0] == "drafter_soft-fuse3.safetensors" and all(n.startswith(names[0]) for n in names)

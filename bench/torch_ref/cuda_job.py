@@ -839,13 +839,31 @@ def joined(weights: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Steps each variant must get for a side-by-side A/B to be kept: run 8 (36,015 steps of 1,024 starts) ended above
+# its starting drafter at every draft step, run 9 (9,875 steps) below it (bench/results/h200/cuda-job-20261130-run8/).
+MIN_VARIANT_STEPS = 30_000
+TIMED_STEPS = 200  # steps whose time sets the schedule's length (and which variants go on)
+
+
+def variants_that_fit(variants: tuple[str, ...], step_s: float, left_s: float, min_steps: int) -> tuple[str, ...]:
+    """The first variants that still each get `min_steps` steps in `left_s` seconds side by side, where a step of
+    all of them takes `step_s` (each its share): all, fewer, or the first alone however few steps it gets."""
+    per_variant = step_s / len(variants)
+    for k in range(len(variants), 1, -1):
+        if left_s / (per_variant * k) >= min_steps:
+            return variants[:k]
+    return variants[:1]
+
+
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
           t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("soft-fuse3",),
-          init: Path | None = None, greedy_starts: int | None = None) -> dict:
+          init: Path | None = None, greedy_starts: int | None = None, min_steps: int = MIN_VARIANT_STEPS) -> dict:
     """Train one warm-started drafter per variant (`VARIANTS`) until `deadline`, from `drafter_dir`'s weights or
     `init`'s; save each (fp16, its config in the file's metadata). The variants without text draw their batches
     from the first `greedy_starts` starts of `train_f` (the greedy answers), those with text from all of them;
-    variants that draw from the same starts see the same batches."""
+    variants that draw from the same starts see the same batches. Once the step time is measured, the later
+    variants stop where they would leave each fewer than `min_steps` steps (`variants_that_fit`): the first then
+    trains alone with all the time left."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -901,8 +919,17 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     gen = torch.Generator(device=device).manual_seed(0)
     while True:
         now = time.perf_counter()
-        if total is None and step == 200:  # the schedule's length from the measured step time
+        if total is None and step == TIMED_STEPS:  # the schedule's length from the measured step time
             per = (now - ts) / step
+            keep = variants_that_fit(variants, per, deadline - now, min_steps)
+            if keep != variants:
+                report["dropped_variants"] = list(variants[len(keep):])
+                _log(f"train: {per * 1000:.1f} ms/step for {len(variants)} variants leaves each fewer than "
+                     f"{min_steps} steps: {', '.join(keep)} {'goes' if len(keep) == 1 else 'go'} on", t0)
+                per *= len(keep) / len(variants)
+                for v in variants[len(keep):]:  # their memory goes back to the ones that go on
+                    del models[v], opts[v]
+                variants = keep
             total = step + max(int((deadline - now) / per), 1)
             _log(f"train: {per * 1000:.1f} ms/step -> {total} steps", t0)
         if (total is not None and step >= total) or now > deadline:
@@ -962,7 +989,8 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
         slots: int = 512, batch: int = 1024, lr: float = 5e-4, gen_share: float = 0.5,
         variants: tuple[str, ...] = ("soft-fuse3",), init: Path | None = None, parity: bool = True,
         gguf_dir: Path | None = None, train_too: bool = True, max_positions: int | None = None,
-        feature_tf32: bool = False, position_stride: int = 1, feature_share: float = 0.5) -> None:
+        feature_tf32: bool = False, position_stride: int = 1, feature_share: float = 0.5,
+        min_variant_steps: int = MIN_VARIANT_STEPS) -> None:
     """Parity, generation, features and training (unless not `train_too`) within `budget_s` seconds; results in
     `out`. `max_positions`: train on a random subset of the corpus' sequences with at most that many context
     positions (each takes ~4.7 KB of GPU memory with three tapped layers: ~15M fit an 80 GB GPU); `feature_tf32`:
@@ -970,7 +998,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     `position_stride`: drafts start from every that-many-th position of a sequence only (`Features`), raised where
     the features would not fit the GPU's memory (`fitting_stride`); the feature pass stops starting new sequences
     `feature_share` of the budget after the start (the greedy sequences go first, in random order, then the fixed
-    text), so that training keeps the rest."""
+    text), so that training keeps the rest; `min_variant_steps` as `train`'s `min_steps`."""
     import torch
 
     t0 = time.perf_counter()
@@ -1089,7 +1117,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     # (4) training until the budget's end (a margin for evaluation and saving)
     torch.backends.cuda.matmul.allow_tf32 = True
     report["train"] = train(model, train_f, held_f, Path(spec["drafter"]), out, t0 + budget_s - 20, t0, batch, lr,
-                            variants=variants, init=init, greedy_starts=greedy_starts)
+                            variants=variants, init=init, greedy_starts=greedy_starts, min_steps=min_variant_steps)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     _log("done", t0)
@@ -1258,6 +1286,9 @@ def _main() -> None:
                         "raised where they would not fit)")
     r.add_argument("--feature-share", type=float, default=0.5,
                    help="the feature pass starts no new sequences past this share of the budget")
+    r.add_argument("--min-variant-steps", type=int, default=MIN_VARIANT_STEPS,
+                   help="the later variants stop where side by side they would each get fewer steps than this; "
+                        "the first then trains alone (0: never)")
     m = sub.add_parser("land")
     m.add_argument("result", type=Path)
     m.add_argument("--prompts", type=Path, default=Path("../shared/data/train_prompts.jsonl"))
@@ -1271,6 +1302,8 @@ def _main() -> None:
             _fail("--position-stride and --max-positions take a number >= 1")
         if not 0 < a.feature_share <= 1:
             _fail("--feature-share takes a share of the budget, more than 0 and at most 1")
+        if a.min_variant_steps < 0:
+            _fail(f"--min-variant-steps {a.min_variant_steps}: give a number of steps, 0 or more")
         unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
         if unknown:
             _fail(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
@@ -1282,7 +1315,7 @@ def _main() -> None:
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.slots, a.batch, a.lr, a.gen_share,
             tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir, not a.generate_only,
-            a.max_positions, a.feature_tf32, a.position_stride, a.feature_share)
+            a.max_positions, a.feature_tf32, a.position_stride, a.feature_share, a.min_variant_steps)
     elif a.cmd == "parity":
         parity(a.result, a.job)
     else:
