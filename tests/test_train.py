@@ -480,21 +480,31 @@ def test_eval_drafter_drafts_from_the_head_rows_it_is_given():
     assert res.exit_code == 2 and "error: --drafter-vocab must be between 1 and the drafter's 8192" in res.output
 
 
-def test_eval_drafter_replay_decides_what_decoding_decides():
+def test_eval_drafter_replay_decides_what_decoding_decides(tmp_path):
     """Replaying the greedy answers gives the tokens per call that decoding the prompts gives, for a chain and a
-    tree of the shipped (layer-fusing) drafter and for the default mode's lookup-else-rnn."""
+    tree of the shipped (layer-fusing) drafter and for the default mode's lookup-else-rnn; the answers are decoded
+    once and read back by the next run."""
     lm = CliRunner()
+    replay = ["--replay", "--replay-cache", str(tmp_path / "answers")]
     for draft, widths in (("rnn", "1,2"), ("lookup-else-rnn", "1")):
         args = ["eval-drafter", "--num-prompts", "2", "--widths", widths, "--lengths", "3", "--max-tokens", "32",
                 "--draft", draft, "--json"]
         runs = {}
-        for how in ("decode", "replay"):
-            res = lm.invoke(app, args + (["--replay"] if how == "replay" else []))
+        for how in ("decode", "replay", "replay again"):
+            res = lm.invoke(app, args + (replay if how != "decode" else []))
             assert res.exit_code == 0, res.output
             runs[how] = json.loads(res.stdout.strip().splitlines()[-1])
+            assert ("greedy answers to replay" in res.output) == (how == "replay" and draft == "rnn")
+        assert runs["replay again"] == runs["replay"] | {"results": runs["replay again"]["results"]}
+        assert [r["tokens_per_step_pooled"] for r in runs["replay again"]["results"]] == \
+            [r["tokens_per_step_pooled"] for r in runs["replay"]["results"]]
         assert runs["replay"]["method"] == "replay" and runs["decode"]["method"] == "decode"
         for d, r in zip(runs["decode"]["results"], runs["replay"]["results"]):
             assert r["steps"] > 0 and r["draft_ms_per_step"] is None
             # the same steps, up to one that float rounding between the two forwards may decide otherwise
             assert abs(r["steps"] - d["steps"]) <= 1, (draft, d, r)
             assert abs(r["tokens_per_step_pooled"] - d["tokens_per_step_pooled"]) <= 2 / d["steps"], (draft, d, r)
+    assert len(list((tmp_path / "answers").iterdir())) == 1  # both modes replayed the same answers and states
+    (tmp_path / "file").write_text("")
+    res = lm.invoke(app, ["eval-drafter", "--replay", "--replay-cache", str(tmp_path / "file")])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "--replay-cache" in res.output

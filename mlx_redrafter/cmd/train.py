@@ -16,6 +16,7 @@ from mlx_redrafter.train.evaluate import format_eval
 
 DEFAULT_CORPUS = Path("data/corpus")
 DEFAULT_FEATURES = Path(".cache/features")
+DEFAULT_REPLAY = Path(".cache/replay")
 
 
 SOURCES = ("greedy", "text", "endpoint")
@@ -391,6 +392,8 @@ def eval_drafter(
     replay: bool = typer.Option(False, "--replay", help=(
         "Decode each prompt once and replay its greedy answer for every W x L instead of decoding it again: the "
         "same tokens per call up to float rounding, in a fraction of the time, without draft / verify times.")),
+    replay_cache: Path = typer.Option(DEFAULT_REPLAY, help="Where --replay keeps the greedy answers it decoded "
+                                      "(per target, tapped layers, prompts and --max-tokens), for the next run."),
 ) -> None:
     """Acceptance of a drafter on prompts it never saw: tokens per target call, per-position acceptance and the
     accepted-length histogram per W x L (greedy, fp32)."""
@@ -398,6 +401,8 @@ def eval_drafter(
     from mlx_redrafter.prompts import first_turns
     from mlx_redrafter.train.evaluate import heldout_prompt_ids, run_eval
 
+    if replay:
+        check_writable_dir(replay_cache, "--replay-cache")
     if heldout:
         ids = heldout_prompt_ids(corpus / resolve_model(model)[0], num_prompts)
         texts, source = ids, "the corpus' held-out shard"
@@ -406,5 +411,5 @@ def eval_drafter(
         source = str(prompts) if prompts else "MT-bench first turns"
     res = run_eval(drafter, model, c.int_list(widths, "--widths"), c.int_list(lengths, "--lengths"), texts,
                    max_tokens, source, draft=draft, drafter_vocab=drafter_vocab, log=lambda m: typer.echo(m, err=True),
-                   replay=replay)
+                   replay=replay, replay_cache=replay_cache)
     typer.echo(json.dumps(res) if as_json else format_eval(res))

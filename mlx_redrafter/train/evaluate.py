@@ -29,11 +29,13 @@ def heldout_prompt_ids(corpus_root: str | Path, num: int, seed: int = 0) -> list
 
 def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: list[int],
              prompts: list[str] | list[list[int]], max_tokens: int, source: str, draft: str = "rnn",
-             drafter_vocab: int | None = None, log=print, replay: bool = False) -> dict:
+             drafter_vocab: int | None = None, log=print, replay: bool = False,
+             replay_cache: str | Path | None = None) -> dict:
     """Tokens per target call (mean over prompts, and pooled) per W x L, with per-position acceptance rates.
     `prompts` are texts (chat-formatted here) or token ids; `source` names them in the report; `drafter_vocab`
     is --drafter-vocab (None: the default rows). `replay`: each cell replays the target's greedy answers (decoded
-    once; `train.replay`) instead of decoding: the same tokens per call up to float rounding, no speeds."""
+    once; `train.replay`, kept in `replay_cache` if given) instead of decoding: the same tokens per call up to
+    float rounding, no speeds."""
     from mlx_redrafter import api
     from mlx_redrafter.sweep import check_shapes
     from mlx_redrafter.train.replay import greedy_answers, replay_answers
@@ -44,7 +46,7 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
     lm = api.load(model, drafter_spec, "float32")
     api.draft_mode(lm, api.decode_options(draft=draft, drafter_vocab=drafter_vocab))  # bad options: one line, now
     ids = [api.encode_prompt(lm, p) for p in prompts]
-    answers = greedy_answers(lm, ids, max_tokens, log) if replay else None
+    answers = greedy_answers(lm, ids, max_tokens, log, replay_cache) if replay else None
     results = []
     for w in widths:
         for length in lengths:

@@ -12,9 +12,13 @@ included), which is what `eval-drafter --replay` replays.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -110,14 +114,30 @@ class Answer:
     hidden: np.ndarray  # (answer tokens, F) float32: the features at positions prompt_len - 1 .. n - 2
 
 
-def greedy_answers(lm, prompts: list[list[int]], max_tokens: int, log=None) -> list[Answer]:
+ANSWERS_FORMAT = 1  # of the files `greedy_answers` keeps
+
+
+def greedy_answers(lm, prompts: list[list[int]], max_tokens: int, log=None,
+                   cache_dir: str | Path | None = None) -> list[Answer]:
     """Each prompt's greedy answer (the runtime's plain decoding, float32) and the features the loaded drafter
     reads along it (tapped layers included), from one teacher-forced forward over prompt + answer. `log`, if
-    given, receives a progress line with an ETA now and then."""
+    given, receives a progress line with an ETA now and then. With `cache_dir`, the answers are kept there, one file
+    per target (its fingerprint), tapped layers, prompts and answer length, and read back instead of decoded again."""
     from mlx_redrafter import api
+    from mlx_redrafter.files import write_atomic
     from mlx_redrafter.model import forward_chunked
+    from mlx_redrafter.train.distill import target_fingerprint
 
-    model, out, t0 = lm.target.model, [], time.perf_counter()
+    model = lm.target.model
+    path = None
+    if cache_dir is not None:
+        key = json.dumps({"format": ANSWERS_FORMAT, "target": target_fingerprint(lm.target), "max_tokens": max_tokens,
+                          "layers": list(model.feature_layers), "prompts": [list(map(int, p)) for p in prompts]})
+        path = Path(cache_dir) / f"answers-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+        kept = _read_answers(path, len(prompts))
+        if kept is not None:
+            return kept
+    out, t0 = [], time.perf_counter()
     options = api.decode_options(draft="none", max_tokens=max_tokens)
     for i, ids in enumerate(prompts):
         seq = list(ids) + api.generate(lm, list(ids), options).tokens
@@ -129,7 +149,26 @@ def greedy_answers(lm, prompts: list[list[int]], max_tokens: int, log=None) -> l
         if log is not None and (done % 10 == 0 or done == len(prompts)):
             spent = time.perf_counter() - t0
             log(f"greedy answers to replay: {done}/{len(prompts)}, ETA {spent / done * (len(prompts) - done):.0f} s")
+    if path is not None:
+        buf = io.BytesIO()
+        np.savez(buf, tokens=np.concatenate([a.tokens for a in out]), prompt_len=[a.prompt_len for a in out],
+                 lengths=[len(a.tokens) for a in out], hidden=np.concatenate([a.hidden for a in out]))
+        write_atomic(path, buf.getvalue())
     return out
+
+
+def _read_answers(path: Path, count: int) -> list[Answer] | None:
+    """The answers a `greedy_answers` file keeps (None where it is missing or does not read as `count` of them)."""
+    try:
+        with np.load(path) as z:
+            tokens, plen, lens, hidden = z["tokens"], z["prompt_len"], z["lengths"], z["hidden"]
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    if len(lens) != count or int(lens.sum()) != len(tokens) or int((lens - plen).sum()) != len(hidden):
+        return None
+    t_end, h_end = np.cumsum(lens), np.cumsum(lens - plen)
+    return [Answer(tokens[t - n : t], int(p), hidden[h - (n - p) : h])
+            for n, p, t, h in zip(lens.tolist(), plen.tolist(), t_end.tolist(), h_end.tolist())]
 
 
 def replay_answers(answers: list[Answer], make_allocator, length: int, max_tokens: int) -> list[ReplayStats]:
