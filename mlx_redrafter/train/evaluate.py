@@ -54,21 +54,19 @@ def run_eval(drafter_spec: str, model: str | None, widths: list[int], lengths: l
                                       drafter_vocab=drafter_vocab)
             per_prompt, hist, steps, decided, t0 = [], Counter(), 0, 0.0, time.perf_counter()
             phase = Counter()
-            if answers is not None:
-                for st in replay_answers(answers, partial(api.make_allocator, lm, opts), length, max_tokens):
-                    if st.steps:
-                        per_prompt.append(st.tokens_per_step)
-                        steps += st.steps
-                        decided += st.decided
-                    hist.update(st.accepted_hist)
-            for p in ids if answers is None else ():
-                st = api.generate(lm, p, opts).stats
-                if st.steps:
-                    per_prompt.append(st.tokens_per_step)
-                    steps += st.steps
-                    decided += st.tokens_per_step * st.steps
-                    phase.update(st.phase_s)
-                hist.update(st.accepted_hist)
+            if answers is not None:  # per prompt: tokens per call, calls, decided tokens, histogram, phase times
+                runs = [(st.tokens_per_step, st.steps, st.decided, st.accepted_hist, {})
+                        for st in replay_answers(answers, partial(api.make_allocator, lm, opts), length, max_tokens)]
+            else:
+                runs = [(st.tokens_per_step, st.steps, st.tokens_per_step * st.steps, st.accepted_hist, st.phase_s)
+                        for st in (api.generate(lm, p, opts).stats for p in ids)]
+            for per_call, calls, made, accepted, phases in runs:
+                if calls:
+                    per_prompt.append(per_call)
+                    steps += calls
+                    decided += made
+                    phase.update(phases)
+                hist.update(accepted)
             total = sum(hist.values())
             # P(draft position k accepted) = share of steps that accepted >= k drafts
             pos_acc = [round(sum(v for n, v in hist.items() if n >= k) / max(total, 1), 4) for k in range(1, length)]
