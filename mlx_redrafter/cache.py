@@ -112,6 +112,11 @@ class KVCache:
         """All cache arrays (for mx.eval)."""
         return [a for a in self.keys + self.values if a is not None]
 
+    def key_windows(self) -> tuple[tuple[int, int, int], ...] | None:
+        """Blocks of rows (first row, end row, first key slot) a forward may attend from their first slot on; None:
+        every row from slot 0 (here every row's entries start there; `RowsCache` says otherwise)."""
+        return None
+
     def committed(self, layer: int) -> tuple[mx.array, mx.array]:
         """Committed keys/values of one layer, (B, n_kv, offset, D)."""
         return self.keys[layer][:, :, : self.offset], self.values[layer][:, :, : self.offset]

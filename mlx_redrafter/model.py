@@ -142,9 +142,13 @@ def silu_mul(g: mx.array, u: mx.array) -> mx.array:
     return nn.silu(g) * u
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None,
+              windows: tuple[tuple[int, int, int], ...] | None = None) -> mx.array:
     """Softmax attention with grouped KV heads: q (B, h, N, D), k/v (B, h_kv, S, D), mask (B|1, 1, N, S) bool
-    (on a CPU also as `grouped_mask` made it, once for every layer).
+    (on a CPU also as `grouped_mask` made it, once for every layer). `windows` (the cache's `key_windows`): blocks
+    of rows (first, end, first key) whose mask hides every key before the block's first; where our kernel takes
+    attention, each block attends from there on (the same bits, less work where rows start late in a batch's
+    cache); elsewhere they are ignored.
 
     On a GPU MLX's fused kernel is used. MLX's CPU backend has no fused kernel (its fallback repeats the KV
     heads and is ~1.5x slower), so there the query heads that share a KV head are folded into one matrix
@@ -156,6 +160,11 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, h, N, D = q.shape
     h_kv = k.shape[1]
+    if windows is not None and attention_kernel.usable(q.dtype):
+        rows = mask is not None and mask.shape[0] > 1
+        return mx.concatenate([attention(q[a:b], k[a:b, :, lo:], v[a:b, :, lo:], scale,
+                                         None if mask is None else mask[a:b, ..., lo:] if rows else mask[..., lo:])
+                               for a, b, lo in windows])
     if attention_kernel.usable(q.dtype):
         scores = q.reshape(B, h_kv, h // h_kv * N, D) @ k.swapaxes(-1, -2)
         return attention_kernel.softmax_values(scores, v, scale, N, mask).reshape(B, h, N, D)
@@ -427,7 +436,7 @@ class Attention(nn.Module):
             k = apply_rope(rows_of(k, shape, h_kv, spread), cos, sin)
         v = rows_of(v, shape, h_kv, spread)
         keys, values = cache.write(layer, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-        out = attention(q.transpose(0, 2, 1, 3), keys, values, self.scale, mask)  # (B, h, N, D)
+        out = attention(q.transpose(0, 2, 1, 3), keys, values, self.scale, mask, cache.key_windows())  # (B, h, N, D)
         return project(tokens_of(out, gather), self.o, [self.o_proj])[0]
 
 
@@ -553,7 +562,7 @@ class CompiledLayer:
         else:
             q, k, v = before_ragged(x, norm1, qkv, *rope, ragged.spread)
         keys, values = cache.write(layer, k, v)
-        out = attention(q, keys, values, self.scale, mask)
+        out = attention(q, keys, values, self.scale, mask, cache.key_windows())
         if ragged is None:
             return after(x, out, o, norm2, gate_up, down)
         return after_ragged(x, out, o, norm2, gate_up, down, ragged.gather)

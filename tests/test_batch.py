@@ -11,7 +11,7 @@ from test_sampling import ALPHA, DRAWS, exact_distribution, goodness_of_fit
 
 from mlx_redrafter import api
 from mlx_redrafter.batch.budget import Budget, CostCurve
-from mlx_redrafter.batch.cache import RowsCache
+from mlx_redrafter.batch.cache import WINDOW_ALIGN, RowsCache, plan_windows
 from mlx_redrafter.batch.loop import Batch, generate_batch
 from mlx_redrafter.draft.base import Allocator, DecodeState, Slot, propose, propose_rows
 from mlx_redrafter.draft.lookup import LookupSource, NgramIndex
@@ -78,6 +78,51 @@ def test_batched_speculative_decoding_equals_each_prompt_alone(target, prompts, 
     assert any(r.accepted > 0 for _, r in records)  # copies were accepted: the commit moved real paths
     steps_per_row = {i: sum(1 for j, r in records if j == i and not r.prefill) for i in range(len(prompts))}
     assert len(set(steps_per_row.values())) > 1  # rows finished at different steps
+
+
+def test_key_windows_group_rows_by_where_their_entries_start():
+    """Consecutive rows whose entries start late form a block attended from there (at an aligned slot); a batch
+    whose rows all start at slot 0 keeps one window, as does one where splitting would save too little."""
+    assert plan_windows([0, 0, 0], 400) is None and plan_windows([], 0) is None
+    assert plan_windows([0, 3, 9], 400) is None  # 9 rounds down to 0
+    assert plan_windows([0, 390], 400) is None  # one row, 10 keys: not worth a block
+    firsts = [0, 5, 300, 301, 330, 300, 300, 298]
+    windows = plan_windows(firsts, 400)
+    assert windows is not None
+    assert windows[0][0] == 0 and windows[-1][1] == len(firsts)
+    assert all(a[1] == b[0] for a, b in zip(windows, windows[1:]))  # contiguous blocks of rows
+    for a, b, lo in windows:
+        assert lo % WINDOW_ALIGN == 0 and all(lo <= f for f in firsts[a:b])
+    assert windows[0] == (0, 2, 0) and windows[1][2] == 288
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_rows_that_start_late_attend_from_their_first_slot_with_the_same_bits(target, prompts, monkeypatch, tokens):
+    """Rows that joined a cache after a long row sit at the end of its committed region: a forward attends them
+    from their first slot (`key_windows`), not from slot 0, and its logits and states are bit for bit those of
+    attending the whole cache (decode steps and verifications of several tokens alike)."""
+    model = target.model
+    long = [t for p in prompts for t in p][:400]
+    cache = RowsCache(model.args.num_hidden_layers, 64)
+    for row in [long] + prompts[:5]:
+        one = model.make_cache(len(row))
+        model(mx.array([row]), one)
+        one.advance(len(row))
+        cache.join(one)
+    windows = cache.key_windows()
+    assert windows is not None and len(windows) == 2 and windows[1][2] > 0
+    B = cache.rows
+    feed = mx.array([[p[-1]] * tokens for p in [long] + prompts[:5]])
+    positions = mx.array(cache.lengths)[:, None] + mx.arange(tokens)[None, :]
+    causal = mx.tril(mx.ones((tokens, tokens), dtype=mx.bool_))
+    mask = mx.concatenate([mx.broadcast_to(cache.context_mask()[:, None, :], (B, tokens, cache.offset)),
+                           mx.broadcast_to(causal, (B, tokens, tokens))], axis=2)[:, None]
+    windowed = model(feed, cache, positions, mask)
+    mx.eval(windowed)
+    monkeypatch.setattr(RowsCache, "key_windows", lambda self: None)
+    whole = model(feed, cache, positions, mask)
+    for a, b in zip(windowed, whole):
+        assert mx.array_equal(a, b).item()
 
 
 @pytest.mark.parametrize("width", [1, 3])

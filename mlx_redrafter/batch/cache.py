@@ -6,6 +6,9 @@ slots of [0, offset) marked in `valid`: the others are holes, masked out of ever
 a row accepted fewer tokens than the step's longest accepted row (the offset advances by the most any row
 committed) and where a row joined shorter than the others. Each row's entries carry their own RoPE positions
 (`lengths`), so holes change nothing but the masked keys a query skips.
+
+Rows that joined later, or after a long row, start far into the cache: a forward attends each block of rows from
+the first slot any of them uses (`key_windows`) instead of every row from slot 0.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ import numpy as np
 
 from mlx_redrafter.cache import KVCache
 
+WINDOW_ALIGN = 16  # a key window starts at a multiple of this many slots (see `key_windows`)
+WINDOW_COST = 1024  # what one more block of rows costs (its dispatches), in rows x keys of attention
+
 
 class RowsCache(KVCache):
     def __init__(self, num_layers: int, capacity: int, step: int = 256):
         super().__init__(num_layers, capacity, step)
         self.valid = np.zeros((0, capacity), dtype=bool)  # (B, >= offset) committed slots per row
         self.lengths: list[int] = []  # committed tokens per row (the next RoPE position)
+        self._changes = 0  # bumped whenever `valid` or `offset` change (keys `key_windows`' memo)
+        self._windows: tuple[tuple[int, int], tuple[tuple[int, int, int], ...] | None] = ((-1, -1), None)
 
     @property
     def rows(self) -> int:
@@ -29,6 +37,18 @@ class RowsCache(KVCache):
     def context_mask(self) -> mx.array:
         """(B, offset) bool: the committed slots each row attends to."""
         return mx.array(self.valid[:, : self.offset])
+
+    def key_windows(self) -> tuple[tuple[int, int, int], ...] | None:
+        """Blocks of consecutive rows (first row, end row, first key slot) that cover every row, each block's first
+        slot at or before the first committed slot of each of its rows: a forward whose mask lets a row see only
+        its committed slots and the new tokens (`context_mask`) attends each block from its first slot on, with
+        the same result. None where one block from slot 0 is best (see `plan_windows`)."""
+        key = (self.offset, self._changes)
+        if self._windows[0] != key:
+            v = self.valid[:, : self.offset]
+            firsts = np.where(v.any(axis=1), v.argmax(axis=1), self.offset) if self.offset else np.zeros(self.rows)
+            self._windows = (key, plan_windows([int(f) for f in firsts], self.offset))
+        return self._windows[1]
 
     def _room(self, end: int) -> None:
         if self.valid.shape[1] < end:
@@ -64,6 +84,7 @@ class RowsCache(KVCache):
         place = np.zeros((len(lengths), self.valid.shape[1]), dtype=bool)
         place[:, end - n : end] = valid[:, :n]
         self.valid = np.concatenate([self.valid, place])
+        self._changes += 1
         first = self.rows
         self.lengths += [int(x) for x in lengths]
         self.offset = end
@@ -82,6 +103,7 @@ class RowsCache(KVCache):
             self.values = [None] * self.num_layers
             self.offset = 0
         self.valid = self.valid[rows]
+        self._changes += 1
         self.lengths = [self.lengths[r] for r in rows]
         self.trim(share=share)
 
@@ -97,6 +119,7 @@ class RowsCache(KVCache):
             if self.keys[i] is not None:
                 self.keys[i], self.values[i] = self.keys[i][:, :, first:], self.values[i][:, :, first:]
         self.valid = self.valid[:, first:]
+        self._changes += 1
         self.offset -= first
         self.capacity = max(self.capacity - first, 1)
 
@@ -117,6 +140,7 @@ class RowsCache(KVCache):
             self.valid[r, self.offset : self.offset + c] = True
             self.lengths[r] += c
         self.offset += longest
+        self._changes += 1
 
     def extract(self, row: int, n: int) -> KVCache:
         """A one-row `KVCache` holding the first n committed entries of a row, holes squeezed out."""
@@ -129,6 +153,39 @@ class RowsCache(KVCache):
         out.offset = n
         mx.eval(*out.state())
         return out
+
+
+def plan_windows(firsts: list[int], end: int) -> tuple[tuple[int, int, int], ...] | None:
+    """Key windows for rows whose committed slots start at `firsts` (end: none) in a cache of `end` committed
+    slots: consecutive rows grouped to the fewest rows x keys of attention, each block costing `WINDOW_COST` more,
+    each window starting at a multiple of `WINDOW_ALIGN` (our attention kernel then sums every key in the vector
+    lane it would use over the whole cache: the same bits). None where one block from slot 0 is best."""
+    runs: list[list[int]] = []  # [first slot (aligned), rows] of consecutive rows
+    for f in firsts:
+        f -= f % WINDOW_ALIGN
+        if runs and runs[-1][0] == f:
+            runs[-1][1] += 1
+        else:
+            runs.append([f, 1])
+    m = len(runs)
+    best = [0.0] + [float("inf")] * m  # best[j]: cost of the first j runs
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        lo, rows = end, 0
+        for i in range(j, 0, -1):  # the last block: runs i-1 .. j-1
+            lo, rows = min(lo, runs[i - 1][0]), rows + runs[i - 1][1]
+            cost = best[i - 1] + rows * (end - lo) + WINDOW_COST
+            if cost < best[j]:
+                best[j], cut[j] = cost, i - 1
+    blocks, j = [], m
+    while j:
+        i = cut[j]
+        blocks.append((sum(r for _, r in runs[:i]), sum(r for _, r in runs[:j]), min(f for f, _ in runs[i:j])))
+        j = i
+    blocks.reverse()
+    if not blocks or (len(blocks) == 1 and blocks[0][2] == 0):
+        return None
+    return tuple(blocks)
 
 
 def _fit(a: mx.array, n: int) -> mx.array:
