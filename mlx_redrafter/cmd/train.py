@@ -64,6 +64,7 @@ def distill(
     """
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.system.blas import set_threads
+    from mlx_redrafter.system.memory import reuse_freed_memory
     from mlx_redrafter.system.priority import lower_priority
     from mlx_redrafter.train.distill import check_worker, grow
 
@@ -85,6 +86,7 @@ def distill(
     check_writable_dir(features, "--features")
     lower_priority(nice)
     set_threads(threads)
+    reuse_freed_memory()
     target = load_target(model, "float32")
     if source == "greedy":
         from mlx_redrafter.train.greedy import GreedySource
