@@ -250,6 +250,7 @@ def train(
     import time
 
     from mlx_redrafter.models.loader import load_target
+    from mlx_redrafter.system.memory import reuse_freed_memory
     from mlx_redrafter.train.kinds import DRAFT_MODE, check_kind, kind_of_config
     from mlx_redrafter.train.loop import check_head_rows, planned_layers, train_drafter
     from mlx_redrafter.train.pipeline import model_card, prepare, save_shipped
@@ -288,6 +289,7 @@ def train(
     check_writable_dir(features, "--features")
     if output is not None:
         check_output_dir(output, force)
+    reuse_freed_memory()
     target = load_target(model, "float32")
     layers = planned_layers(cfg, run_dir, resume)
     check_layers_exist(layers, target)
