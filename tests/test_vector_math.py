@@ -81,6 +81,22 @@ def test_the_mlp_gate_matches_float64(kernel, isa, shape):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", [(1, 3072), (3, 3072), (64, 3072), (2, 3, 3072), (4, 16)])
+def test_the_mlp_gate_reads_the_fused_product_in_place(kernel, isa, shape):
+    """silu(gate) * up from the gate and up halves side by side: the bits of the kernel on the halves split apart
+    (the last axis' halves are whole vectors here), for a product's output and for a transposed view."""
+    rng = np.random.default_rng(sum(shape))
+    gu = mx.array(rng.standard_normal(shape).astype(np.float32) * 4)
+    with KERNEL.use_isa(isa):
+        for x in (gu, mx.array(np.ascontiguousarray(np.array(gu).T)).T):
+            got = kernel.silu_mul_halves(x)
+            assert got.shape == (*shape[:-1], shape[-1] // 2)
+            assert mx.array_equal(got, kernel.silu_mul(*mx.split(x, 2, axis=-1))).item()
+    assert kernel.silu_mul_halves(gu.astype(mx.float16)) is None
+    assert kernel.silu_mul_halves(gu[..., 1:]) is None  # an odd last axis has no halves
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape, k", [((1, 1), 1), ((3, 8), 8), ((5, 37), 8), ((2, 33), 5), ((4, 100), 64),
                                       ((300, 49152), 8)])
 def test_top_k_is_a_stable_sort_s_first_k(kernel, isa, shape, k):

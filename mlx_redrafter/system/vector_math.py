@@ -82,6 +82,14 @@ def silu_mul(g, u):
     return KERNEL.module.silu_mul(g, u)
 
 
+def silu_mul_halves(gu):
+    """silu(gate) * up for gu (..., 2h) holding the gate and up halves side by side, in one pass where `usable`;
+    None elsewhere (and where the built kernel predates it)."""
+    if not usable(gu) or gu.shape[-1] % 2 or not hasattr(KERNEL.module, "silu_mul_halves"):
+        return None
+    return KERNEL.module.silu_mul_halves(gu)
+
+
 def top_k(x, k: int):
     """The indices (..., k) int32 of the k largest values along the last axis, largest first (the kernel gives
     equal values in index order, as a stable sort would), not differentiable: the kernel where `usable` and

@@ -22,6 +22,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
@@ -324,6 +325,34 @@ mx::array silu(const mx::array& x) { return silu_times(x, nullptr, "Silu"); }
 
 mx::array silu_mul(const mx::array& g, const mx::array& u) { return silu_times(g, &u, "SiluMul"); }
 
+// gu (..., 2h): a Llama MLP's fused gate and up products side by side -> silu(gate) * up (..., h): one graph node
+// where a split and two copies made the halves contiguous; float32. A product's output is read in place; another
+// layout is gathered first.
+mx::array silu_mul_halves(const mx::array& gu) {
+    if (gu.dtype() != mx::float32 || gu.ndim() < 1 || gu.shape(-1) % 2 != 0)
+        throw std::invalid_argument("SiluMulHalves: a float32 input whose last axis has an even size");
+    auto s = mx::default_stream(mx::Device::cpu);
+    auto shape = gu.shape();
+    const int64_t h = shape.back() / 2;
+    shape.back() = (int)h;
+    auto run = [threads = threads_, fn = silu_fn_, h](const std::vector<mx::array>& ins, mx::array& out) {
+        const auto& in = ins[0];
+        std::vector<float> gathered;
+        const float* x = in.data<float>();
+        if (!in.flags().row_contiguous) {
+            gathered.resize(in.size());
+            for (size_t i = 0; i < in.size(); ++i) gathered[i] = x[mx::elem_to_loc((int)i, in)];
+            x = gathered.data();
+        }
+        float* o = out.data<float>();
+        const int64_t rows = h ? (int64_t)out.size() / h : 0;
+        over_rows(rows, 2 * h, threads, [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; ++r) fn(x + 2 * h * r, x + 2 * h * r + h, 0, h, o + h * r);
+        });
+    };
+    return mx::array(shape, mx::float32, std::make_shared<CpuPrimitive>(s, "SiluMulHalves", run), {gu});
+}
+
 // x, g (the same shape) -> g times the derivative of silu at x.
 mx::array silu_grad(const mx::array& x, const mx::array& g) {
     if (x.dtype() != mx::float32 || g.shape() != x.shape()) throw std::invalid_argument("silu_grad: float32 x and g of one shape");
@@ -401,6 +430,7 @@ NB_MODULE(_vector_math, m) {
     m.def("silu", &silu, nb::arg("x"));
     m.def("silu_grad", &silu_grad, nb::arg("x"), nb::arg("g"));
     m.def("silu_mul", &silu_mul, nb::arg("g"), nb::arg("u"));
+    m.def("silu_mul_halves", &silu_mul_halves, nb::arg("gu"));
     m.def("top_k_rows", &top_k_rows, nb::arg("x"), nb::arg("k"));
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
