@@ -130,3 +130,31 @@ def test_threads_share_the_rows_without_changing_a_bit(kernel):
     finally:
         KERNEL.set_threads(int(os.environ.get("REDRAFTER_THREADS", os.cpu_count() or 1)))
     assert np.array_equal(one, two)
+
+
+@pytest.mark.parametrize("B, N", [(1, 1), (1, 3), (4, 3), (64, 1), (2, 17)])
+def test_heads_rope_lays_out_q_k_v_with_the_bits_of_the_graph(kernel, B, N):
+    """One layer's q, k and v from its fused product, q and k rotated: the bits of the element-wise graph the model
+    builds without the kernel (`apply_rope` on the split heads, then transposed), compiled or not, for decoding,
+    verification and batched shapes; a strided product is read as it lies."""
+    from mlx_redrafter.model import apply_rope, rows_of
+
+    h, h_kv, D = 9, 3, 64
+
+    def graph(y, cos, sin):
+        qk, v = mx.split(y, [(h + h_kv) * D], axis=-1)
+        q, k = mx.split(apply_rope(rows_of(qk, (B, N), h + h_kv), cos, sin), [h], axis=2)
+        return tuple(a.transpose(0, 2, 1, 3) for a in (q, k, rows_of(v, (B, N), h_kv)))
+
+    y = mx.random.normal((B * N, (h + 2 * h_kv) * D), key=mx.random.key(B * 10 + N)) * 3
+    theta = mx.random.uniform(shape=(B, N, D // 2), key=mx.random.key(7)) * 300  # far positions too
+    cos, sin = mx.cos(theta)[:, :, None, :], mx.sin(theta)[:, :, None, :]
+    got = kernel.heads_rope(y, cos, sin, h, h_kv)
+    assert [a.shape for a in got] == [(B, h, N, D), (B, h_kv, N, D), (B, h_kv, N, D)]
+    for want in (graph(y, cos, sin), mx.compile(graph)(y, cos, sin)):
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    strided = mx.array(np.ascontiguousarray(np.array(y).T)).T
+    assert all(mx.array_equal(a, b).item() for a, b in zip(kernel.heads_rope(strided, cos, sin, h, h_kv), got))
+    assert kernel.heads_rope(y.astype(mx.float16), cos, sin, h, h_kv) is None
+    with pytest.raises(ValueError):
+        kernel.heads_rope(y[:, 1:], cos, sin, h, h_kv)

@@ -180,3 +180,13 @@ def test_ragged_rows_give_the_bits_of_the_padded_forward(target, chat_ids):
         for b, (s, n) in enumerate(zip(ragged.starts, sizes)):
             assert mx.array_equal(logits[b, :n], flat_logits[s : s + n]).item(), (on, b)
             assert mx.array_equal(hidden[b, :n], flat_hidden[s : s + n]).item(), (on, b)
+
+
+def test_a_tapped_state_over_its_rms_has_the_bits_of_mlx_fast_rms_norm():
+    """`over_rms` (a tapped layer's output as a fusing drafter reads it; one compiled graph on a CPU) against
+    `mx.fast.rms_norm` without a weight, over magnitudes a layer's outputs take."""
+    from mlx_redrafter.model import TAP_EPS, over_rms
+
+    for i in range(40):
+        x = mx.random.normal((7, 576), key=mx.random.key(i)) * (10.0 ** (i % 5 - 2))
+        assert mx.array_equal(over_rms(x, TAP_EPS), mx.fast.rms_norm(x, None, TAP_EPS)).item()

@@ -66,6 +66,8 @@ def half_product(x, weight, bias=None):
 def quantized_product(x, weight, scales, biases, bits: int, group_size: int):
     """x (..., K) float32 @ dequantize(weight, scales, biases).T -> (..., N) float32 (lazy): MLX's affine
     quantization (`mx.quantize`), scales and biases in float32."""
+    if x.ndim == 2:  # MLX adds a graph node even for a reshape to the same shape: each costs a dispatch
+        return KERNEL.module.quantized_linear(x, weight, scales, biases, bits, group_size)
     shape = x.shape
     y = KERNEL.module.quantized_linear(x.reshape(-1, shape[-1]), weight, scales, biases, bits, group_size)
     return y.reshape(*shape[:-1], weight.shape[0])

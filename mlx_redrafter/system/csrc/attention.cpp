@@ -27,6 +27,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -278,12 +279,90 @@ mx::array softmax_values(const mx::array& scores, const mx::array& v, float scal
                      std::move(ins));
 }
 
+// One layer's q, k and v from its fused product, laid out for attention: qkv (B * N, (h + 2 h_kv) * D) -> q
+// (B, h, N, D) and k (B, h_kv, N, D) rotated by the per-token angles cos, sin (B, N, 1, D / 2) (half-split rope:
+// x1 cos - x2 sin, x2 cos + x1 sin, each product rounded apart, as MLX's compiled element-wise graph computes it:
+// no fused multiply-add, this function has no vector ISA of its own), and v (B, h_kv, N, D). One graph node where
+// a split, reshapes, slices, two element-wise kernels, a concatenation and transposes took ~13.
+class HeadsRope : public mx::Primitive {
+   public:
+    HeadsRope(mx::Stream s, int h, int hkv) : mx::Primitive(s), h_(h), hkv_(hkv) {}
+
+    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+        for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+        auto& enc = mx::cpu::get_command_encoder(stream());
+        for (auto& a : inputs) enc.set_input_array(a);
+        for (auto& o : outputs) enc.set_output_array(o);
+        enc.dispatch([ins = inputs, q = mx::array::unsafe_weak_copy(outputs[0]),
+                      k = mx::array::unsafe_weak_copy(outputs[1]), v = mx::array::unsafe_weak_copy(outputs[2]),
+                      h = h_, hkv = hkv_]() mutable { run(ins, q.data<float>(), k.data<float>(), v.data<float>(), h, hkv); });
+    }
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("heads_rope runs on the CPU only");
+    }
+    const char* name() const override { return "HeadsRope"; }
+    bool is_equivalent(const mx::Primitive& other) const override {
+        auto& o = static_cast<const HeadsRope&>(other);
+        return h_ == o.h_ && hkv_ == o.hkv_;
+    }
+
+   private:
+    int h_, hkv_;
+
+    static void run(const std::vector<mx::array>& ins, float* q, float* k, float* v, int h, int hkv) {
+        const auto &x = ins[0], &c = ins[1], &sn = ins[2];
+        const int B = c.shape(0), N = c.shape(1), half = c.shape(3), D = 2 * half;
+        const float* xp = x.data<float>();
+        const float* cp = c.data<float>();
+        const float* sp = sn.data<float>();
+        const int64_t xs0 = x.strides()[0], xs1 = x.strides()[1];
+        const int64_t cs0 = c.strides()[0], cs1 = c.strides()[1], cs3 = c.strides()[3];
+        const int64_t ss0 = sn.strides()[0], ss1 = sn.strides()[1], ss3 = sn.strides()[3];
+        for (int b = 0; b < B; ++b)
+            for (int n = 0; n < N; ++n) {
+                const float* row = xp + (int64_t)(b * N + n) * xs0;
+                const float* cr = cp + b * cs0 + n * cs1;
+                const float* sr = sp + b * ss0 + n * ss1;
+                for (int j = 0; j < h + 2 * hkv; ++j) {
+                    const float* src = row + (int64_t)j * D * xs1;
+                    float* dst = j < h ? q + (((int64_t)b * h + j) * N + n) * D
+                                 : j < h + hkv ? k + (((int64_t)b * hkv + j - h) * N + n) * D
+                                               : v + (((int64_t)b * hkv + j - h - hkv) * N + n) * D;
+                    if (j >= h + hkv) {
+                        for (int i = 0; i < D; ++i) dst[i] = src[i * xs1];
+                        continue;
+                    }
+                    for (int i = 0; i < half; ++i) {
+                        const float x1 = src[i * xs1], x2 = src[(i + half) * xs1];
+                        const float ci = cr[i * cs3], si = sr[i * ss3];
+                        const float a = x1 * ci, bb = x2 * si, e = x2 * ci, f = x1 * si;
+                        dst[i] = a - bb;
+                        dst[i + half] = e + f;
+                    }
+                }
+            }
+    }
+};
+
+std::vector<mx::array> heads_rope(const mx::array& qkv, const mx::array& cos, const mx::array& sin, int h, int hkv) {
+    auto s = mx::default_stream(mx::Device::cpu);
+    if (qkv.dtype() != mx::float32 || cos.dtype() != mx::float32 || sin.dtype() != mx::float32 || qkv.ndim() != 2 ||
+        cos.ndim() != 4 || cos.shape() != sin.shape() || cos.shape(2) != 1 || h < 1 || hkv < 1 ||
+        qkv.shape(0) != cos.shape(0) * cos.shape(1) || qkv.shape(1) != (h + 2 * hkv) * 2 * cos.shape(3))
+        throw std::invalid_argument("heads_rope: float32 qkv (B * N, (h + 2 h_kv) * D) and cos, sin (B, N, 1, D / 2)");
+    const int B = cos.shape(0), N = cos.shape(1), D = 2 * cos.shape(3);
+    return mx::array::make_arrays({{B, h, N, D}, {B, hkv, N, D}, {B, hkv, N, D}},
+                                  {mx::float32, mx::float32, mx::float32}, std::make_shared<HeadsRope>(s, h, hkv),
+                                  {qkv, cos, sin});
+}
+
 }  // namespace
 
 NB_MODULE(_attention, m) {
     m.doc() = "Few-query softmax attention as one MLX CPU primitive (see attention.cpp).";
     m.def("softmax_values", &softmax_values, nb::arg("scores"), nb::arg("v"), nb::arg("scale"), nb::arg("n"),
           nb::arg("mask") = nb::none());
+    m.def("heads_rope", &heads_rope, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("h"), nb::arg("hkv"));
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
     m.def("version", []() { return 1; });
