@@ -118,29 +118,26 @@ def _over_rms_compiled(x: mx.array, eps: float, inv_dim: float) -> mx.array:
     return x * mx.rsqrt(mx.sum(mx.square(x), axis=-1, keepdims=True) * inv_dim + eps)
 
 
-def over_rms(x: mx.array, eps: float) -> mx.array:
-    """x over its RMS along the last axis (`mx.fast.rms_norm` without a weight). On a CPU, where that is MLX's
-    fallback of ~10 graph nodes, the same arithmetic as one compiled graph: the same bits in 3 nodes."""
-    if mx.default_device() == mx.cpu:
-        return _over_rms_compiled(x, eps, 1.0 / x.shape[-1])
-    return mx.fast.rms_norm(x, None, eps)
-
-
-def _rms_norm_cpu(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """The mean of squares as a sum times 1 / dim, a constant of the compiled graph (as `mx.mean` computes it,
-    without the graph node that counts the elements at run time)."""
-    return _rms_norm_compiled(x, weight, eps, 1.0 / x.shape[-1])
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """x over its RMS along the last axis, times `weight` where given (`mx.fast.rms_norm`; a tapped layer's state
+    takes none). MLX's CPU backend has no fused kernel for it: its fallback is ~10-15 graph nodes, each with its
+    own dispatch cost. On a CPU in float32 our kernel takes it in one node (`vector_math.rms_norm`), elsewhere on a
+    CPU one compiled graph of 3 nodes; both compute the fallback's arithmetic step for step (the mean of squares as
+    a sum times 1 / dim): the same bits."""
+    fast = vector_math.rms_norm(x, weight, eps)
+    if fast is not None:
+        return fast
+    if mx.default_device() != mx.cpu:
+        return mx.fast.rms_norm(x, weight, eps)
+    inv_dim = 1.0 / x.shape[-1]
+    return _over_rms_compiled(x, eps, inv_dim) if weight is None else _rms_norm_compiled(x, weight, eps, inv_dim)
 
 
 class RMSNorm(nn.RMSNorm):
-    """`nn.RMSNorm`. MLX's CPU backend has no fused kernel for it: its fallback is ~15 graph nodes, each with its
-    own dispatch cost, and a model has two per layer. On a CPU the same arithmetic runs as one compiled graph (the
-    same bits, about 4 nodes)."""
+    """`nn.RMSNorm` through `rms_norm` (one node on a CPU, the same bits)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if mx.default_device() == mx.cpu:
-            return _rms_norm_cpu(x, self["weight"], self.eps)
-        return super().__call__(x)
+        return rms_norm(x, self["weight"], self.eps)
 
 
 def silu_mul(g: mx.array, u: mx.array) -> mx.array:
@@ -509,12 +506,12 @@ class CompiledLayer:
 
     def __init__(self, args: ModelArgs, blocks: list[TransformerBlock]):
         h, h_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        eps, inv_dim = args.rms_norm_eps, 1.0 / args.hidden_size
+        eps = args.rms_norm_eps
         self.scale = args.head_dim**-0.5
 
         def functions(mm):  # mm(x, w): a product with a weight as the functions take it
             def before(x, norm_w, qkv, cos, sin, spread=None):
-                y = mm(_rms_norm_compiled(x, norm_w, eps, inv_dim), qkv)
+                y = mm(rms_norm(x, norm_w, eps), qkv)
                 laid = None if spread is not None else attention_kernel.heads_rope(y, cos, sin, h, h_kv)
                 if laid is not None:  # one node of our kernel: the same bits as the graph below
                     return laid
@@ -526,7 +523,7 @@ class CompiledLayer:
 
             def after(x, out, o, norm_w, gate_up, down, gather=None):
                 h1 = x + mm(tokens_of(out, gather), o)
-                return h1 + mm(silu_mul_halves(mm(_rms_norm_compiled(h1, norm_w, eps, inv_dim), gate_up)), down)
+                return h1 + mm(silu_mul_halves(mm(rms_norm(h1, norm_w, eps), gate_up)), down)
 
             # plain and ragged (with the layout's index) traced apart
             return mx.compile(before), mx.compile(after), mx.compile(before), mx.compile(after)
@@ -733,7 +730,7 @@ class Model(nn.Module):
             x = (layer(x, (B, N), rope, mask, cache, i, ragged) if compiled is None
                  else compiled(i, x, rope, mask, cache, ragged))
             if i in self.feature_layers:
-                taps.append(over_rms(x, TAP_EPS))
+                taps.append(rms_norm(x, None, TAP_EPS))
         post = self.model.norm(x)  # post-norm: what the vocabulary projection and a drafter read
         if ragged is None:  # (B, N, ...); ragged: (T, ...)
             post, taps = post.reshape(B, N, -1), [t.reshape(B, N, -1) for t in taps]

@@ -182,11 +182,15 @@ def test_ragged_rows_give_the_bits_of_the_padded_forward(target, chat_ids):
             assert mx.array_equal(hidden[b, :n], flat_hidden[s : s + n]).item(), (on, b)
 
 
-def test_a_tapped_state_over_its_rms_has_the_bits_of_mlx_fast_rms_norm():
-    """`over_rms` (a tapped layer's output as a fusing drafter reads it; one compiled graph on a CPU) against
-    `mx.fast.rms_norm` without a weight, over magnitudes a layer's outputs take."""
-    from mlx_redrafter.model import TAP_EPS, over_rms
+def test_rms_norm_has_the_bits_of_mlx_fast_rms_norm():
+    """`model.rms_norm` (our kernel's one node on this CPU, else one compiled graph) against `mx.fast.rms_norm`,
+    with a weight (the layers' norms) and without (a tapped layer's state), over magnitudes a layer's outputs take,
+    at a step's rows and a batch's, at this model's width and a 7B model's."""
+    from mlx_redrafter.model import TAP_EPS, rms_norm
 
     for i in range(40):
-        x = mx.random.normal((7, 576), key=mx.random.key(i)) * (10.0 ** (i % 5 - 2))
-        assert mx.array_equal(over_rms(x, TAP_EPS), mx.fast.rms_norm(x, None, TAP_EPS)).item()
+        rows, n = [(1, 576), (3, 576), (64, 576), (2, 4096)][i % 4]
+        x = mx.random.normal((rows, n), key=mx.random.key(i)) * (10.0 ** (i % 5 - 2))
+        w = mx.random.normal((n,), key=mx.random.key(100 + i))
+        for weight, eps in ((w, 1e-5), (None, TAP_EPS)):
+            assert mx.array_equal(rms_norm(x, weight, eps), mx.fast.rms_norm(x, weight, eps)).item(), (rows, n)

@@ -96,6 +96,22 @@ def test_the_mlp_gate_reads_the_fused_product_in_place(kernel, isa, shape):
     assert kernel.silu_mul_halves(gu[..., 1:]) is None  # an odd last axis has no halves
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (3, 576), (64, 576), (2, 5, 4096), (4, 37)])
+def test_rms_norm_has_the_bits_of_the_compiled_graph(kernel, shape):
+    """One node for x over its RMS (times a weight or not): the bits of MLX's graph for it, compiled, for a
+    row-major input and a transposed view; other dtypes are not taken."""
+    from mlx_redrafter.model import _over_rms_compiled, _rms_norm_compiled
+
+    rng = np.random.default_rng(sum(shape))
+    x = mx.array(rng.standard_normal(shape).astype(np.float32) * 3)
+    w = mx.array(rng.standard_normal(shape[-1]).astype(np.float32))
+    inv = 1.0 / shape[-1]
+    for xs in (x, mx.array(np.ascontiguousarray(np.array(x).T)).T):
+        assert mx.array_equal(kernel.rms_norm(xs, w, 1e-5), _rms_norm_compiled(x, w, 1e-5, inv)).item()
+        assert mx.array_equal(kernel.rms_norm(xs, None, 1e-6), _over_rms_compiled(x, 1e-6, inv)).item()
+    assert kernel.rms_norm(x.astype(mx.float16), None, 1e-5) is None
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape, k", [((1, 1), 1), ((3, 8), 8), ((5, 37), 8), ((2, 33), 5), ((4, 100), 64),
                                       ((300, 49152), 8)])

@@ -94,7 +94,7 @@ TAP_EPS = 1e-5  # the runtime's model.TAP_EPS (this module imports no MLX)
 
 def rms_normalized(x: torch.Tensor, eps: float = TAP_EPS) -> torch.Tensor:
     """x / RMS(x) over the last axis, in float32: a tapped layer's output, as a drafter that fuses layers reads it
-    (the runtime's `Model` does the same with `model.over_rms`)."""
+    (the runtime's `Model` does the same with `model.rms_norm`)."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 

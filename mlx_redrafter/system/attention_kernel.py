@@ -19,7 +19,7 @@ import sys
 
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 1  # the kernel build's version (its speed), shown in blas=...+attn1
+VERSION = 2  # the kernel build's version (its speed), shown in blas=...+attn2 (2: q, k, v laid out and rotated)
 KERNEL = Extension("_attention", "attention.cpp", "the attention kernel", "MLX's attention", VERSION)
 
 

@@ -26,7 +26,7 @@ import sys
 
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 1  # the kernels' build version (their speed), shown in blas=...+vmath1
+VERSION = 2  # the kernels' build version (their speed), shown in blas=...+vmath2 (2: the target's norms, its MLP gate in place)
 KERNEL = Extension("_vector_math", "vector_math.cpp", "the vector-math kernels", "MLX's operations", VERSION)
 _custom: dict = {}  # name -> custom function (built on first use: they need mlx.core)
 
@@ -88,6 +88,18 @@ def silu_mul_halves(gu):
     if not usable(gu) or gu.shape[-1] % 2 or not hasattr(KERNEL.module, "silu_mul_halves"):
         return None
     return KERNEL.module.silu_mul_halves(gu)
+
+
+def rms_norm(x, weight, eps: float):
+    """x (..., n) over its RMS along the last axis, times weight (n) where given, in one node where `usable`: the
+    bits of MLX's own graph for it (`model.rms_norm`); None elsewhere (and where the built kernel predates it)."""
+    import mlx.core as mx
+
+    if not usable(x) or (weight is not None and weight.dtype != mx.float32):
+        return None
+    if not hasattr(KERNEL.module, "rms_norm"):
+        return None
+    return KERNEL.module.rms_norm(x, weight, eps)
 
 
 def top_k(x, k: int):

@@ -365,6 +365,6 @@ NB_MODULE(_attention, m) {
     m.def("heads_rope", &heads_rope, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("h"), nb::arg("hkv"));
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
-    m.def("version", []() { return 1; });
+    m.def("version", []() { return 2; });
     set_isa("best");
 }

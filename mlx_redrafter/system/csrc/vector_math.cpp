@@ -14,12 +14,14 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <omp.h>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include "mlx/backend/common/utils.h"
@@ -325,6 +327,15 @@ mx::array silu(const mx::array& x) { return silu_times(x, nullptr, "Silu"); }
 
 mx::array silu_mul(const mx::array& g, const mx::array& u) { return silu_times(g, &u, "SiluMul"); }
 
+// An evaluated float32 array's data in row-major order: its own memory where it lies so, else a copy in `keep`.
+static const float* row_major(const mx::array& a, std::vector<float>& keep) {
+    const float* p = a.data<float>();
+    if (a.flags().row_contiguous) return p;
+    keep.resize(a.size());
+    for (size_t i = 0; i < a.size(); ++i) keep[i] = p[mx::elem_to_loc((int)i, a)];
+    return keep.data();
+}
+
 // gu (..., 2h): a Llama MLP's fused gate and up products side by side -> silu(gate) * up (..., h): one graph node
 // where a split and two copies made the halves contiguous; float32. A product's output is read in place; another
 // layout is gathered first.
@@ -336,14 +347,8 @@ mx::array silu_mul_halves(const mx::array& gu) {
     const int64_t h = shape.back() / 2;
     shape.back() = (int)h;
     auto run = [threads = threads_, fn = silu_fn_, h](const std::vector<mx::array>& ins, mx::array& out) {
-        const auto& in = ins[0];
         std::vector<float> gathered;
-        const float* x = in.data<float>();
-        if (!in.flags().row_contiguous) {
-            gathered.resize(in.size());
-            for (size_t i = 0; i < in.size(); ++i) gathered[i] = x[mx::elem_to_loc((int)i, in)];
-            x = gathered.data();
-        }
+        const float* x = row_major(ins[0], gathered);
         float* o = out.data<float>();
         const int64_t rows = h ? (int64_t)out.size() / h : 0;
         over_rows(rows, 2 * h, threads, [&](int64_t r0, int64_t r1) {
@@ -351,6 +356,53 @@ mx::array silu_mul_halves(const mx::array& gu) {
         });
     };
     return mx::array(shape, mx::float32, std::make_shared<CpuPrimitive>(s, "SiluMulHalves", run), {gu});
+}
+
+// x (..., n) over its RMS along the last axis, times w (n) where given: x * (1 / sqrt(sum(x * x) * inv_n + eps)) * w,
+// the arithmetic of MLX's own graph for it step for step (a sequential sum of the rounded squares, as MLX's CPU
+// reduction takes it, each product and sum rounded apart: this function has no vector ISA of its own, so no fused
+// multiply-add), so the same bits in one node where that graph is three (square, sum, the element-wise rest).
+static void rms_rows(const float* x, const float* w, int64_t r0, int64_t r1, int64_t n, float inv_n, float eps,
+                     float* out) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* xr = x + r * n;
+        float* o = out + r * n;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            const float sq = xr[i] * xr[i];
+            acc = acc + sq;
+        }
+        const float scaled = acc * inv_n;
+        const float inv = 1.0f / std::sqrt(scaled + eps);
+        if (w) {
+            for (int64_t i = 0; i < n; ++i) {
+                const float v = xr[i] * inv;
+                o[i] = v * w[i];
+            }
+        } else {
+            for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inv;
+        }
+    }
+}
+
+mx::array rms_norm(const mx::array& x, std::optional<mx::array> w, float eps) {
+    if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) < 1 ||
+        (w && (w->dtype() != mx::float32 || w->ndim() != 1 || w->shape(0) != x.shape(-1))))
+        throw std::invalid_argument("RmsNorm: float32 x (..., n) and weight (n)");
+    auto s = mx::default_stream(mx::Device::cpu);
+    const int64_t n = x.shape(-1);
+    const float inv_n = (float)(1.0 / (double)n);
+    auto run = [threads = threads_, n, inv_n, eps](const std::vector<mx::array>& ins, mx::array& out) {
+        std::vector<float> gx, gw;
+        const float* xp = row_major(ins[0], gx);
+        const float* wp = ins.size() > 1 ? row_major(ins[1], gw) : nullptr;
+        float* o = out.data<float>();
+        over_rows((int64_t)out.size() / n, n, threads,
+                  [&](int64_t r0, int64_t r1) { rms_rows(xp, wp, r0, r1, n, inv_n, eps, o); });
+    };
+    std::vector<mx::array> ins = {x};  // read in place where row-major (no Contiguous node: each costs a dispatch)
+    if (w) ins.push_back(*w);
+    return mx::array(x.shape(), mx::float32, std::make_shared<CpuPrimitive>(s, "RmsNorm", run), std::move(ins));
 }
 
 // x, g (the same shape) -> g times the derivative of silu at x.
@@ -431,9 +483,10 @@ NB_MODULE(_vector_math, m) {
     m.def("silu_grad", &silu_grad, nb::arg("x"), nb::arg("g"));
     m.def("silu_mul", &silu_mul, nb::arg("g"), nb::arg("u"));
     m.def("silu_mul_halves", &silu_mul_halves, nb::arg("gu"));
+    m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("w").none(), nb::arg("eps"));
     m.def("top_k_rows", &top_k_rows, nb::arg("x"), nb::arg("k"));
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
-    m.def("version", []() { return 1; });
+    m.def("version", []() { return 2; });
     set_isa("best");
 }

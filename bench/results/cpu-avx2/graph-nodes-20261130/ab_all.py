@@ -10,25 +10,28 @@ from mlx_redrafter.sweep import decode
 from mlx_redrafter.prompts import first_turns
 lm = api.load(None, dtype="float32")
 model = lm.target.model
-new_fns = dict(silu=vm.silu_mul_halves, rope=ak.heads_rope, over=M.over_rms, qp=pl.quantized_product, tok=M.tokens_of)
+new_fns = dict(norm=vm.rms_norm, silu=vm.silu_mul_halves, rope=ak.heads_rope, rms=M.rms_norm, qp=pl.quantized_product, tok=M.tokens_of)
 def old_qp(x, weight, scales, biases, bits, group_size):
     shape = x.shape
     y = pl.KERNEL.module.quantized_linear(x.reshape(-1, shape[-1]), weight, scales, biases, bits, group_size)
     return y.reshape(*shape[:-1], weight.shape[0])
+def old_rms(x, weight, eps):  # the taps through MLX's fallback
+    return mx.fast.rms_norm(x, weight, eps) if weight is None else new_fns["rms"](x, weight, eps)
 def old_tok(out, gather=None):
     B, h, N, D = out.shape
     out = out.transpose(0, 2, 1, 3).reshape(B * N, h * D)
     return out if gather is None else out[gather]
-ONLY = sys.argv[2] if len(sys.argv) > 2 else "all"  # the change switched: silu, rope, rest (reshapes, taps) or all
-CHANGES = {"silu", "rope", "rest"} if ONLY == "all" else {ONLY}
+ONLY = sys.argv[2] if len(sys.argv) > 2 else "all"  # the change switched: norm, silu, rope, rest (reshapes, taps) or all
+CHANGES = {"norm", "silu", "rope", "rest"} if ONLY == "all" else {ONLY}
 
 
 def use(new):
     def on(change):
         return new or change not in CHANGES
+    vm.rms_norm = new_fns["norm"] if on("norm") else (lambda x, w, eps: None)
     vm.silu_mul_halves = new_fns["silu"] if on("silu") else (lambda gu: None)
     ak.heads_rope = new_fns["rope"] if on("rope") else (lambda *a: None)
-    M.over_rms = new_fns["over"] if on("rest") else (lambda x, eps: mx.fast.rms_norm(x, None, eps))
+    M.rms_norm = new_fns["rms"] if on("rest") else old_rms
     pl.quantized_product = new_fns["qp"] if on("rest") else old_qp
     M.tokens_of = new_fns["tok"] if on("rest") else old_tok
     model.compile_layers(True)

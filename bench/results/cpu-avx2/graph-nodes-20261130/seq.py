@@ -8,5 +8,5 @@ c = m.make_cache(400); lg, h = m(mx.array([list(range(100, 400))]), c); mx.eval(
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 lg, h = m(mx.array([[5] * N]), c); f = io.StringIO(); mx.export_to_dot(f, lg, h)
 seq = [l for _, l in re.findall(r'\{ (\d+) \[label ="([A-Za-z]+)"', f.getvalue())]
-idx = [i for i, l in enumerate(seq) if l == "Square"]
+idx = [i for i, l in enumerate(seq) if l in ("Square", "RmsNorm")]
 print(len(seq)); print(seq[:idx[0]]); print(seq[idx[2]:idx[4]]); print(seq[idx[-1]:])
