@@ -56,21 +56,25 @@ def max_rows(kept_quantized: bool = False) -> int:
     return (KEPT_QUANTIZED_MAX_ROWS if kept_quantized else MAX_ROWS).get(KERNEL.isa, 0) if usable() else 0
 
 
+def _over_rows(x, product, outputs: int):
+    """product(x as rows (R, K)) -> (..., outputs): a 2-D x as it is (MLX adds a graph node even for a reshape to
+    the same shape, and each node costs a dispatch)."""
+    if x.ndim == 2:
+        return product(x)
+    shape = x.shape
+    return product(x.reshape(-1, shape[-1])).reshape(*shape[:-1], outputs)
+
+
 def half_product(x, weight, bias=None):
     """x (..., K) float32 @ weight (N, K) float16 .T (+ bias (N,)) -> (..., N) float32 (lazy)."""
-    shape = x.shape
-    y = KERNEL.module.half_linear(x.reshape(-1, shape[-1]), weight, bias)
-    return y.reshape(*shape[:-1], weight.shape[0])
+    return _over_rows(x, lambda rows: KERNEL.module.half_linear(rows, weight, bias), weight.shape[0])
 
 
 def quantized_product(x, weight, scales, biases, bits: int, group_size: int):
     """x (..., K) float32 @ dequantize(weight, scales, biases).T -> (..., N) float32 (lazy): MLX's affine
     quantization (`mx.quantize`), scales and biases in float32."""
-    if x.ndim == 2:  # MLX adds a graph node even for a reshape to the same shape: each costs a dispatch
-        return KERNEL.module.quantized_linear(x, weight, scales, biases, bits, group_size)
-    shape = x.shape
-    y = KERNEL.module.quantized_linear(x.reshape(-1, shape[-1]), weight, scales, biases, bits, group_size)
-    return y.reshape(*shape[:-1], weight.shape[0])
+    return _over_rows(x, lambda rows: KERNEL.module.quantized_linear(rows, weight, scales, biases, bits, group_size),
+                      weight.shape[0])
 
 
 def dequantize(weight, scales, biases, bits: int, group_size: int):
