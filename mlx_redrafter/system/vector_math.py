@@ -26,7 +26,7 @@ import sys
 
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 2  # the kernels' build version (their speed), shown in blas=...+vmath2 (2: the target's norms, its MLP gate in place)
+VERSION = 2  # the kernels' build version (their speed), shown in blas=...+vmath2 (2: norms, the MLP gate in place)
 KERNEL = Extension("_vector_math", "vector_math.cpp", "the vector-math kernels", "MLX's operations", VERSION)
 _custom: dict = {}  # name -> custom function (built on first use: they need mlx.core)
 
