@@ -194,3 +194,31 @@ def test_rms_norm_has_the_bits_of_mlx_fast_rms_norm():
         w = mx.random.normal((n,), key=mx.random.key(100 + i))
         for weight, eps in ((w, 1e-5), (None, TAP_EPS)):
             assert mx.array_equal(rms_norm(x, weight, eps), mx.fast.rms_norm(x, weight, eps)).item(), (rows, n)
+
+
+def test_a_decoding_step_runs_through_our_kernel_nodes(target):
+    """Where our kernels are active, a one-token forward of the compiled layers is a few nodes a layer (each graph
+    node costs a dispatch on MLX's CPU backend): q, k and v laid out and rotated, each norm and the MLP gate in one
+    node, no element-wise norm or rope graph left."""
+    import io
+    import re
+
+    from kernels import require
+
+    from mlx_redrafter.system import attention_kernel, vector_math
+
+    require(attention_kernel.KERNEL)
+    require(vector_math.KERNEL)
+    m = target.model
+    layers = m.args.num_hidden_layers
+    cache = m.make_cache(64)
+    mx.eval(m(mx.array([list(range(100, 120))]), cache))
+    cache.advance(20)
+    logits, hidden = m(mx.array([[5]]), cache)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, logits, hidden)
+    nodes = re.findall(r'label ="([A-Za-z]+)"', dot.getvalue())
+    assert nodes.count("HeadsRope") == layers and nodes.count("SiluMulHalves") == layers
+    assert nodes.count("RmsNorm") >= 2 * layers + 1
+    assert "Square" not in nodes and "Contiguous" not in nodes and nodes.count("Concatenate") <= 1  # (the taps)
+    assert len(nodes) <= 21 * layers + 12, len(nodes)
