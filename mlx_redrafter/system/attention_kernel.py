@@ -1,5 +1,7 @@
 """Our CPU attention kernel: an MLX primitive (csrc/attention.cpp) that takes attention's scores (of a decode,
-verification or batched step, or a prefill) and returns softmax(scores) @ values in one dispatch.
+verification or batched step, or a prefill) and returns softmax(scores) @ values in one dispatch, and one that
+lays out a layer's q, k and v for it from the fused product, rotated (`heads_rope`: one graph node where MLX's
+operations took ~13, each a dispatch of its own on the CPU backend; the same bits).
 
 MLX's CPU backend computes that softmax as 4-5 element-wise and reduction kernels over the whole score tensor; on
 this project's CPUs those passes cost about as much as the rest of attention, and more per token as rows x tokens x

@@ -10,7 +10,10 @@ kernels take them in vector registers (2^x by a polynomial), 10-60x faster, and 
 log-sum-exp of 8,192 logits and its gradient within ~3e-6 of it, MLX's ~3e-5). The target's MLP gate takes the
 SiLU too (`model.silu_mul`, silu(g) * u in one pass: MLX's compiled power-of-two form costs ~7 ns an element, 0.7 ms
 a layer at 64 rows): prefills 5-15% faster, the feature pass ~5%, batched greedy steps of 64 rows a few percent,
-decoding steps the same. A drafting step's SiLUs are too few to gain (`SILU_MIN`); its log-probabilities stay MLX's.
+decoding steps the same; `silu_mul_halves` reads the gate and up halves of the fused product in place. The target's
+RMS norms (`rms_norm`) take one node where MLX's graph takes three, with its bits: on MLX's CPU backend every node
+is a dispatch of its own, a few microseconds each (bench/results/cpu-avx2/graph-nodes-20261130/). A drafting
+step's SiLUs are too few to gain (`SILU_MIN`); its log-probabilities stay MLX's.
 Built against the installed MLX by `make setup` (`python -m mlx_redrafter.system.vector_math`); where they are not
 built, do not load, or fail their self-check, MLX's own operations run (the same functions to float rounding,
 slower: one line on stderr says so where the kernels were expected).

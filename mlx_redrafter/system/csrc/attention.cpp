@@ -1,5 +1,6 @@
 // softmax(scores) @ values as one MLX primitive on the CPU (decode, verification and batched steps, prefills;
-// built by mlx_redrafter/system/attention_kernel.py, which also says when it is used).
+// built by mlx_redrafter/system/attention_kernel.py, which also says when it is used), and attention's inputs
+// (q, k, v laid out and rotated, `HeadsRope` below) as another.
 //
 // MLX's CPU backend computes attention's softmax as 4-5 element-wise and reduction kernels, each its own dispatch
 // over the (rows, KV heads, query rows, keys) scores, and on a CPU those passes cost about as much as the two
