@@ -512,7 +512,7 @@ class CompiledLayer:
         def functions(mm):  # mm(x, w): a product with a weight as the functions take it
             def before(x, norm_w, qkv, cos, sin, spread=None):
                 y = mm(rms_norm(x, norm_w, eps), qkv)
-                laid = None if spread is not None else attention_kernel.heads_rope(y, cos, sin, h, h_kv)
+                laid = attention_kernel.heads_rope(y, cos, sin, h, h_kv, spread)
                 if laid is not None:  # one node of our kernel: the same bits as the graph below
                     return laid
                 shape = cos.shape[:2]

@@ -158,3 +158,24 @@ def test_heads_rope_lays_out_q_k_v_with_the_bits_of_the_graph(kernel, B, N):
     assert kernel.heads_rope(y.astype(mx.float16), cos, sin, h, h_kv) is None
     with pytest.raises(ValueError):
         kernel.heads_rope(y[:, 1:], cos, sin, h, h_kv)
+
+
+
+def test_heads_rope_takes_ragged_rows_with_the_bits_of_the_graph(kernel):
+    """Ragged rows (rows verifying different numbers of tokens): the fused product of the T real tokens, each padded
+    slot taking the token `Ragged.spread` names, as the graph gathers them."""
+    from mlx_redrafter.model import Ragged, apply_rope, rows_of
+
+    h, h_kv, D = 9, 3, 64
+    ragged = Ragged([3, 1, 5, 2])
+    B, N, T = len(ragged.sizes), ragged.width, ragged.total
+    y = mx.random.normal((T, (h + 2 * h_kv) * D), key=mx.random.key(5)) * 3
+    theta = mx.random.uniform(shape=(B, N, D // 2), key=mx.random.key(6)) * 300
+    cos, sin = mx.cos(theta)[:, :, None, :], mx.sin(theta)[:, :, None, :]
+    qk, v = mx.split(y, [(h + h_kv) * D], axis=-1)
+    q, k = mx.split(apply_rope(rows_of(qk, (B, N), h + h_kv, ragged.spread), cos, sin), [h], axis=2)
+    want = [a.transpose(0, 2, 1, 3) for a in (q, k, rows_of(v, (B, N), h_kv, ragged.spread))]
+    got = kernel.heads_rope(y, cos, sin, h, h_kv, ragged.spread)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    with pytest.raises(ValueError):
+        kernel.heads_rope(y, cos, sin, h, h_kv, ragged.spread[:, :1])

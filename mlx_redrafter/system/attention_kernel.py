@@ -46,16 +46,18 @@ def softmax_values(scores, values, scale: float, tokens: int, mask=None):
     return KERNEL.module.softmax_values(scores, values, scale, tokens, mask)
 
 
-def heads_rope(qkv, cos, sin, heads: int, kv_heads: int):
+def heads_rope(qkv, cos, sin, heads: int, kv_heads: int, spread=None):
     """A layer's (q, k, v) from its fused product qkv (B * N, (heads + 2 kv_heads) * D), laid out for attention:
     q (B, heads, N, D), k and v (B, kv_heads, N, D), q and k rotated by the per-token angles cos, sin
-    (B, N, 1, D / 2) (half-split rope), in one node; the bits of the element-wise graph (`model.apply_rope`). None
-    where the kernel does not take them (another dtype or device, or a kernel built before this function)."""
+    (B, N, 1, D / 2) (half-split rope), in one node; the bits of the element-wise graph (`model.apply_rope`).
+    Ragged rows: qkv holds the T real tokens and `spread` (B, N) the token each slot takes (`model.Ragged`, every
+    index below T). None where the kernel does not take them (another dtype or device, or a kernel built before
+    this function)."""
     if not usable(qkv.dtype) or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
         return None
     if not hasattr(KERNEL.module, "heads_rope"):
         return None
-    return tuple(KERNEL.module.heads_rope(qkv, cos, sin, heads, kv_heads))
+    return tuple(KERNEL.module.heads_rope(qkv, cos, sin, heads, kv_heads, spread))
 
 
 def _self_check() -> str:

@@ -284,7 +284,9 @@ mx::array softmax_values(const mx::array& scores, const mx::array& v, float scal
 // (B, h, N, D) and k (B, h_kv, N, D) rotated by the per-token angles cos, sin (B, N, 1, D / 2) (half-split rope:
 // x1 cos - x2 sin, x2 cos + x1 sin, each product rounded apart, as MLX's compiled element-wise graph computes it:
 // no fused multiply-add, this function has no vector ISA of its own), and v (B, h_kv, N, D). One graph node where
-// a split, reshapes, slices, two element-wise kernels, a concatenation and transposes took ~13.
+// a split, reshapes, slices, two element-wise kernels, a concatenation and transposes took ~13. Ragged rows (a
+// batch whose rows verify different numbers of tokens): qkv holds the T real tokens and spread (B, N) int32 names
+// the token each padded slot takes (`model.Ragged.spread`).
 class HeadsRope : public mx::Primitive {
    public:
     HeadsRope(mx::Stream s, int h, int hkv) : mx::Primitive(s), h_(h), hkv_(hkv) {}
@@ -313,6 +315,8 @@ class HeadsRope : public mx::Primitive {
     static void run(const std::vector<mx::array>& ins, float* q, float* k, float* v, int h, int hkv) {
         const auto &x = ins[0], &c = ins[1], &sn = ins[2];
         const int B = c.shape(0), N = c.shape(1), half = c.shape(3), D = 2 * half;
+        const int32_t* spread = ins.size() > 3 ? ins[3].data<int32_t>() : nullptr;
+        const int64_t ps0 = spread ? ins[3].strides()[0] : 0, ps1 = spread ? ins[3].strides()[1] : 0;
         const float* xp = x.data<float>();
         const float* cp = c.data<float>();
         const float* sp = sn.data<float>();
@@ -321,7 +325,8 @@ class HeadsRope : public mx::Primitive {
         const int64_t ss0 = sn.strides()[0], ss1 = sn.strides()[1], ss3 = sn.strides()[3];
         for (int b = 0; b < B; ++b)
             for (int n = 0; n < N; ++n) {
-                const float* row = xp + (int64_t)(b * N + n) * xs0;
+                const int64_t t = spread ? (int64_t)spread[b * ps0 + n * ps1] : (int64_t)b * N + n;
+                const float* row = xp + t * xs0;
                 const float* cr = cp + b * cs0 + n * cs1;
                 const float* sr = sp + b * ss0 + n * ss1;
                 for (int j = 0; j < h + 2 * hkv; ++j) {
@@ -345,16 +350,22 @@ class HeadsRope : public mx::Primitive {
     }
 };
 
-std::vector<mx::array> heads_rope(const mx::array& qkv, const mx::array& cos, const mx::array& sin, int h, int hkv) {
+std::vector<mx::array> heads_rope(const mx::array& qkv, const mx::array& cos, const mx::array& sin, int h, int hkv,
+                                  std::optional<mx::array> spread) {
     auto s = mx::default_stream(mx::Device::cpu);
     if (qkv.dtype() != mx::float32 || cos.dtype() != mx::float32 || sin.dtype() != mx::float32 || qkv.ndim() != 2 ||
         cos.ndim() != 4 || cos.shape() != sin.shape() || cos.shape(2) != 1 || h < 1 || hkv < 1 ||
-        qkv.shape(0) != cos.shape(0) * cos.shape(1) || qkv.shape(1) != (h + 2 * hkv) * 2 * cos.shape(3))
+        (!spread && qkv.shape(0) != cos.shape(0) * cos.shape(1)) ||
+        qkv.shape(1) != (h + 2 * hkv) * 2 * cos.shape(3))
         throw std::invalid_argument("heads_rope: float32 qkv (B * N, (h + 2 h_kv) * D) and cos, sin (B, N, 1, D / 2)");
+    if (spread && (spread->ndim() != 2 || spread->shape(0) != cos.shape(0) || spread->shape(1) != cos.shape(1)))
+        throw std::invalid_argument("heads_rope: spread (B, N), the token of qkv each slot takes");
     const int B = cos.shape(0), N = cos.shape(1), D = 2 * cos.shape(3);
+    std::vector<mx::array> ins = {qkv, cos, sin};
+    if (spread) ins.push_back(mx::astype(*spread, mx::int32, s));
     return mx::array::make_arrays({{B, h, N, D}, {B, hkv, N, D}, {B, hkv, N, D}},
                                   {mx::float32, mx::float32, mx::float32}, std::make_shared<HeadsRope>(s, h, hkv),
-                                  {qkv, cos, sin});
+                                  std::move(ins));
 }
 
 }  // namespace
@@ -363,7 +374,8 @@ NB_MODULE(_attention, m) {
     m.doc() = "Few-query softmax attention as one MLX CPU primitive (see attention.cpp).";
     m.def("softmax_values", &softmax_values, nb::arg("scores"), nb::arg("v"), nb::arg("scale"), nb::arg("n"),
           nb::arg("mask") = nb::none());
-    m.def("heads_rope", &heads_rope, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("h"), nb::arg("hkv"));
+    m.def("heads_rope", &heads_rope, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("h"), nb::arg("hkv"),
+          nb::arg("spread") = nb::none());
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
     m.def("version", []() { return 2; });
