@@ -4,10 +4,10 @@ Usage (repository root): step64_ab.py REPEATS ../key-windows-20261130/layouts-93
 import sys, time
 from mlx_redrafter import install_blas
 install_blas()
+sys.path.insert(0, "bench/results/cpu-avx2/graph-nodes-20261130")
+from toggles import switch  # noqa: E402
 import mlx.core as mx
 import numpy as np
-import mlx_redrafter.model as M
-from mlx_redrafter.system import vector_math as vm, attention_kernel as ak, packed_linear as pl
 from mlx_redrafter.system.blas import set_threads
 from mlx_redrafter.models.loader import load_target
 from mlx_redrafter.batch.cache import RowsCache
@@ -15,17 +15,8 @@ set_threads(1)
 reps = int(sys.argv[1])
 t = load_target(None, "float32")
 m = t.model
-new_fns = dict(norm=vm.rms_norm, silu=vm.silu_mul_halves, rope=ak.heads_rope, tok=M.tokens_of)
-def old_tok(out, gather=None):
-    B, h, N, D = out.shape
-    out = out.transpose(0, 2, 1, 3).reshape(B * N, h * D)
-    return out if gather is None else out[gather]
 def use(new):
-    vm.rms_norm = new_fns["norm"] if new else (lambda x, w, eps: None)
-    vm.silu_mul_halves = new_fns["silu"] if new else (lambda gu: None)
-    ak.heads_rope = new_fns["rope"] if new else (lambda *a: None)
-    M.tokens_of = new_fns["tok"] if new else old_tok
-    m.compile_layers(True)
+    switch(m, new)
 z = np.load(sys.argv[2])
 L, h, D = m.args.num_hidden_layers, m.args.num_key_value_heads, m.args.head_dim
 tot = {False: 0.0, True: 0.0}
