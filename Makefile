@@ -70,7 +70,14 @@ $(VENV)/.torch: $(STAMP)
 	$(BIN)/pip install -q -e ".[$(EXTRAS),torch]"
 	touch $(VENV)/.torch
 
-bench: $(STAMP)  ## draft modes x widths x lengths vs AR and mlx-lm: make bench DEVICE=m2ultra [BENCH_ARGS=...]
+# llama.cpp as a third baseline of `make bench` (measured wherever it is installed and the model is a GGUF):
+# llama-cpp-python compiles llama.cpp for the machine's own instruction set, ~15 minutes on 2 cores.
+$(VENV)/.llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q -e ".[$(EXTRAS),llama-cpp]"
+	touch $@
+
+bench: $(STAMP) $(if $(LLAMA_CPP),$(VENV)/.llama-cpp)  ## draft modes x widths x lengths vs AR, mlx-lm (and llama.cpp with LLAMA_CPP=1): make bench DEVICE=m2ultra [BENCH_ARGS=...]
 	$(BIN)/python -m bench sweep --device $(DEVICE) $(BENCH_ARGS)
 
 bench-quick: $(STAMP)

@@ -91,6 +91,10 @@ def sweep(
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     drafter: str = typer.Option("default", help=c.DRAFTER_HELP),
     mlx_lm: bool = typer.Option(True, "--mlx-lm/--no-mlx-lm", help="Measure mlx-lm's AR as a second baseline."),
+    llama_cpp: bool | None = typer.Option(None, "--llama-cpp/--no-llama-cpp",
+                                          help="Measure llama.cpp's AR on the same GGUF as a third baseline (default: "
+                                               "where llama-cpp-python is installed, make .venv/.llama-cpp, and the "
+                                               "model is a GGUF; greedy rows only)."),
     profile: bool = typer.Option(True, "--profile/--no-profile", help="Profile the best cell's step phases "
                                                                       "after the sweep."),
     temperatures: str = typer.Option("0", help="Comma-separated sampling temperatures (0 = greedy)."),
@@ -114,7 +118,8 @@ def sweep(
         lookup_indexes=[x.strip() for x in lookup_indexes.split(",") if x.strip()] or [None],
         max_tokens=grid["max_tokens"] if max_tokens is None else max_tokens,
         num_prompts=grid["num_prompts"] if num_prompts is None else num_prompts, prompts_file=prompts_file,
-        repeats=grid["repeats"] if repeats is None else repeats, mlx_lm=mlx_lm, profile=profile)
+        repeats=grid["repeats"] if repeats is None else repeats, mlx_lm=mlx_lm, llama_cpp=llama_cpp,
+        profile=profile)
     warn_slow_dtypes(spec.dtypes)
     res = run_bench(spec, out_dir, progress=True)
     typer.echo(f"wrote {res['dir']}: " + ", ".join(res["files"].values()) + ", README.md")

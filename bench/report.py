@@ -26,7 +26,8 @@ COLUMNS = [
     "prompt_tokens", "generated_tokens", "steps", "tokens_per_step", "rnn_tokens_per_step", "lookup_tokens_per_step",
     "answers_tokens_per_step", "verified_tokens", "candidate_tokens", "prefill_s", "decode_s", "decode_s_min",
     "decode_s_max", "decode_s_runs", "repeats", "decode_tokens_per_s", "ar_decode_tokens_per_s",
-    "mlx_lm_decode_tokens_per_s", "speedup_vs_ar", "speedup_vs_mlx_lm", "equal_ar", "match_ar", "draft_s", "verify_s",
+    "mlx_lm_decode_tokens_per_s", "llama_cpp_decode_tokens_per_s", "speedup_vs_ar", "speedup_vs_mlx_lm",
+    "speedup_vs_llama_cpp", "equal_ar", "match_ar", "draft_s", "verify_s",
     "peak_memory_gb", "stop_reason", "load1_before", "load1_after",
 ]
 
@@ -92,6 +93,9 @@ def _f(v: Any, fmt: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
 
+BASELINE_NAMES = {"mlx_lm": "mlx-lm", "llama_cpp": "llama.cpp"}  # decoders other than ours, as the report names them
+
+
 def readme(meta: dict[str, Any]) -> str:
     """README.md of a results folder: machine state first, then the best cells and the profile."""
     m, st = meta["machine"], meta["settings"]
@@ -108,8 +112,9 @@ def readme(meta: dict[str, Any]) -> str:
              "median and range; prefill excluded; width = W of a drafter, the lookup width for lookup, tree nodes "
              "for medusa:", "",
              "| draft | dtype | T | accept | width | L | tokens/step (pooled) | decode tok/s | our AR tok/s "
-             "| mlx-lm tok/s | vs AR (pooled) | median | per-prompt range | vs mlx-lm | ids = AR |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mlx-lm tok/s | llama.cpp tok/s | vs AR (pooled) | median | per-prompt range | vs mlx-lm "
+             "| vs llama.cpp | ids = AR |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(meta["best"], key=lambda b: (b["dtype"], b["temperature"], b.get("accept", ""),
                                                  -b["speedup_vs_ar"])):
         width = cell_width(b)
@@ -121,14 +126,21 @@ def readme(meta: dict[str, Any]) -> str:
             f"| {draft} | {b['dtype']} | {b['temperature']:g} | {b.get('accept', 'greedy')} | {width} "
             f"| {b['beam_length']} | "
             f"{b['tokens_per_step']:.2f} | {b['decode_tokens_per_s']:.1f} | {b['ar_decode_tokens_per_s']:.1f} | "
-            f"{_f(b.get('mlx_lm_decode_tokens_per_s'), '.1f')} | {b['speedup_vs_ar']:.2f}x | "
+            f"{_f(b.get('mlx_lm_decode_tokens_per_s'), '.1f')} | {_f(b.get('llama_cpp_decode_tokens_per_s'), '.1f')} | "
+            f"{b['speedup_vs_ar']:.2f}x | "
             f"{_f(b.get('speedup_vs_ar_median'), '.2f')}x | {_f(b.get('speedup_vs_ar_min'), '.2f')}-"
             f"{_f(b.get('speedup_vs_ar_max'), '.2f')}x | "
-            f"{_f(b.get('speedup_vs_mlx_lm'), '.2f')}x | {100 * b['equal_ar']:.0f}% |")
+            f"{_f(b.get('speedup_vs_mlx_lm'), '.2f')}x | {_f(b.get('speedup_vs_llama_cpp'), '.2f')}x | "
+            f"{100 * b['equal_ar']:.0f}% |")
     for s in meta["summary"]:
-        if s["decoder"] == "mlx_lm":
-            lines += ["", f"mlx-lm ids vs ours ({s['dtype']}, T={s['temperature']:g}): {100 * s['equal_ar']:.0f}% of "
-                          f"prompts identical, common prefix {100 * s['match_ar']:.1f}% of the length on average."]
+        if s["decoder"] in BASELINE_NAMES:
+            lines += ["", f"{BASELINE_NAMES[s['decoder']]} ids vs ours ({s['dtype']}, T={s['temperature']:g}): "
+                          f"{100 * s['equal_ar']:.0f}% of prompts identical, common prefix {100 * s['match_ar']:.1f}% "
+                          "of the length on average."]
+    if any(s["decoder"] == "llama_cpp" for s in meta["summary"]):
+        lines += ["", "llama.cpp (llama-cpp-python, the same GGUF, greedy, the machine's cores) multiplies the "
+                      "quantized weights by 8-bit quantized activations, so its answers drift from ours after a few "
+                      "dozen tokens; its tokens/s are over its own answers."]
     files = meta.get("files", {})
     lines += ["", "Files: " + ", ".join(f"[{k}]({v})" for k, v in files.items()), ""]
     p = meta.get("profile")

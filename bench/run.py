@@ -43,6 +43,7 @@ class BenchSpec:
     repeats: int = BENCH_GRID["repeats"]
     warmup_tokens: int = WARMUP_TOKENS
     mlx_lm: bool = True
+    llama_cpp: bool | None = None  # llama.cpp's AR as a baseline; None: where it is installed and the model is a GGUF
     profile: bool = True
 
     def check(self) -> None:
@@ -100,17 +101,48 @@ def configs_for(spec: BenchSpec, lm: Any) -> list[Any]:
         ars = [c for c in configs if c.is_ar]
         k = configs.index(ars[0]) + 1
         configs[k:k] = mlx_lm_configs(decoder, ars)
+    gguf = llama_cpp_file(spec, lm)
+    if gguf is not None:
+        from .llama_cpp_ref import LlamaCppDecoder, llama_cpp_configs
+
+        decoder = LlamaCppDecoder(gguf, lm.tokenizer.eos_ids, context=4096)
+        ars = [c for c in configs if c.is_ar]
+        k = configs.index(ars[0]) + 1
+        configs[k:k] = llama_cpp_configs(decoder, ars)
     return configs
 
 
-def add_mlx_lm_speedups(rows: list[dict[str, Any]]) -> None:
-    """Per row: the mlx-lm row's decode tokens/s on the same prompt, dtype and temperature, and the ratio."""
-    ref = {(r["dtype"], r["prompt_id"], r["temperature"]): r["decode_tokens_per_s"] for r in rows
-           if r["decoder"] == "mlx_lm"}
-    for r in rows:
-        tps = ref.get((r["dtype"], r["prompt_id"], r["temperature"]), float("nan"))
-        r["mlx_lm_decode_tokens_per_s"] = tps
-        r["speedup_vs_mlx_lm"] = r["decode_tokens_per_s"] / tps if tps == tps and tps > 0 else float("nan")
+def llama_cpp_file(spec: BenchSpec, lm: Any) -> Path | None:
+    """The GGUF llama.cpp's baseline runs, or None where it is not measured (`BenchSpec.llama_cpp`); asked for
+    explicitly where it cannot run: a one-line UserError."""
+    from .llama_cpp_ref import INSTALL_HINT, available, gguf_of
+
+    if spec.llama_cpp is False:
+        return None
+    gguf = gguf_of(Path(lm.target.path))
+    if spec.llama_cpp is None:
+        return gguf if available() else None
+    if not available():
+        raise UserError(f"--llama-cpp: llama-cpp-python is not installed: {INSTALL_HINT}")
+    if gguf is None:
+        raise UserError(f"--llama-cpp: {lm.target.name} was not loaded from one GGUF file, which llama.cpp needs: "
+                        "pass --no-llama-cpp")
+    return gguf
+
+
+BASELINES = ("mlx_lm", "llama_cpp")  # decoders other than ours whose speed every row is compared with
+
+
+def add_baseline_speedups(rows: list[dict[str, Any]]) -> None:
+    """Per row and baseline: the baseline row's decode tokens/s on the same prompt, dtype and temperature
+    (`<baseline>_decode_tokens_per_s`, NaN where it did not run) and the ratio (`speedup_vs_<baseline>`)."""
+    for name in BASELINES:
+        ref = {(r["dtype"], r["prompt_id"], r["temperature"]): r["decode_tokens_per_s"] for r in rows
+               if r["decoder"] == name}
+        for r in rows:
+            tps = ref.get((r["dtype"], r["prompt_id"], r["temperature"]), float("nan"))
+            r[f"{name}_decode_tokens_per_s"] = tps
+            r[f"speedup_vs_{name}"] = r["decode_tokens_per_s"] / tps if tps == tps and tps > 0 else float("nan")
 
 
 def profile_cell(spec: BenchSpec, cell: dict[str, Any], options: Any, prompt: dict) -> dict[str, Any]:
@@ -160,9 +192,10 @@ def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = Tr
         rows += res.rows
         states.append({"dtype": lm.target.dtype, **res.machine_state})
         del lm
-    add_mlx_lm_speedups(rows)
+    add_baseline_speedups(rows)
     report.write_csv(out / f"{stem}.csv", rows, spec.device)
-    summary = sweep.summarize(rows, extra_means=("speedup_vs_mlx_lm", "mlx_lm_decode_tokens_per_s"))
+    summary = sweep.summarize(rows, extra_means=tuple(f"{k}{name}{v}" for name in BASELINES
+                                                       for k, v in (("speedup_vs_", ""), ("", "_decode_tokens_per_s"))))
     best = sweep.best_cells(summary)
     meta: dict[str, Any] = {
         "device": spec.device, "run_id": run_id, "machine": machine_info(), **names,
@@ -171,6 +204,7 @@ def run_bench(spec: BenchSpec, out_root: Path = RESULTS_DIR, progress: bool = Tr
                      "temperatures": spec.temperatures, "max_tokens": spec.max_tokens, "num_prompts": len(prompts),
                      "prompts_file": str(spec.prompts_file or packaged()), "repeats": spec.repeats,
                      "warmup_tokens": spec.warmup_tokens, "mlx_lm": spec.mlx_lm,
+                     "llama_cpp": any(r["decoder"] == "llama_cpp" for r in rows),
                      "prompts": [{"id": sweep.prompt_id(p, i), "category": p.get("category", "")}
                                  for i, p in enumerate(prompts)]},
         "quiet": all(s["quiet"] for s in states), "machine_state": states,

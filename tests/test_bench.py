@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_tiny_sweep_writes_everything(tmp_path):
     spec = BenchSpec(device="unit-test", drafter="random:0", drafts="rnn,lookup", dtypes=["float32"], widths=[1],
-                     lengths=[2], max_tokens=5, num_prompts=1, warmup_tokens=2)
+                     lengths=[2], max_tokens=5, num_prompts=1, warmup_tokens=2, llama_cpp=False)
     res = run_bench(spec, tmp_path, progress=False)
     out = tmp_path / "unit-test"
     assert res["dir"] == out
@@ -68,6 +68,47 @@ def test_tiny_sweep_writes_everything(tmp_path):
     assert "| redrafter (shipped) | - | - | - | 1 | 2 |" in (out / "drafter-comparison.md").read_text()
 
 
+def test_llama_cpp_is_a_baseline_where_it_is_installed(tmp_path):
+    """llama.cpp's greedy decoding of the same GGUF runs beside ours and every row is compared with it (skipped
+    where llama-cpp-python is not installed: `make .venv/.llama-cpp` compiles it, ~15 minutes)."""
+    import pytest
+
+    from bench.llama_cpp_ref import available
+
+    if not available():
+        pytest.skip("llama-cpp-python is not installed (make .venv/.llama-cpp)")
+    spec = BenchSpec(device="unit-test", drafter="random:0", drafts="lookup", dtypes=["float32"], widths=[1],
+                     lengths=[2], max_tokens=8, num_prompts=1, warmup_tokens=2, mlx_lm=False, profile=False)
+    res = run_bench(spec, tmp_path, progress=False)
+    with (tmp_path / "unit-test" / res["files"]["csv"]).open() as f:
+        rows = {r["config"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == ["ar", "llama_cpp", "lookup-w1-l2"]
+    ref = rows["llama_cpp"]
+    assert ref["decoder"] == "llama_cpp" and 1 <= int(ref["generated_tokens"]) <= 8 and float(ref["decode_s"]) > 0
+    assert float(rows["ar"]["llama_cpp_decode_tokens_per_s"]) == float(ref["decode_tokens_per_s"])
+    assert float(rows["ar"]["speedup_vs_llama_cpp"]) > 0 and float(ref["match_ar"]) > 0  # its ids start as ours
+    readme = (tmp_path / "unit-test" / "README.md").read_text()
+    assert "llama.cpp ids vs ours" in readme and "| llama.cpp tok/s |" in readme
+
+
+def test_llama_cpp_asked_for_where_it_cannot_run_is_one_error_line(monkeypatch):
+    import bench.llama_cpp_ref as ref
+    from bench.run import llama_cpp_file
+    from mlx_redrafter import api
+    from mlx_redrafter.errors import UserError
+
+    lm = api.load(None, drafter=None)
+    spec = BenchSpec(device="unit-test", llama_cpp=True)
+    monkeypatch.setattr(ref, "available", lambda: False)  # as on a machine without the optional extra
+    try:
+        llama_cpp_file(spec, lm)
+        raise AssertionError("no error")
+    except UserError as e:
+        assert "llama-cpp-python is not installed" in str(e) and "make .venv/.llama-cpp" in str(e)
+    assert llama_cpp_file(BenchSpec(device="unit-test"), lm) is None  # by default: measured where installed
+    assert llama_cpp_file(BenchSpec(device="unit-test", llama_cpp=False), lm) is None
+
+
 def test_a_sweep_rewrites_only_its_own_section_of_the_readme(tmp_path):
     """A results folder's hand-kept README (an index of runs) survives every sweep; the latest sweep's section is
     replaced, never repeated."""
@@ -92,7 +133,7 @@ def test_temperature_axis_compares_acceptance_rules(target):
     from mlx_redrafter.sweep import _ar_names
 
     spec = BenchSpec(device="unit-test", drafts="lookup", temperatures=[0.0, 0.7], accepts=["exact", "typical"],
-                     widths=[1], lengths=[3], mlx_lm=False)
+                     widths=[1], lengths=[3], mlx_lm=False, llama_cpp=False)
     configs = configs_for(spec, LoadedModel(target, None, "none"))
     assert [c.name for c in configs] == ["ar", "lookup-w1-l3", "ar@t0.7", "lookup-w1-l3@t0.7",
                                          "lookup-w1-l3@t0.7-typical"]

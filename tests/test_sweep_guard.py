@@ -14,17 +14,34 @@ from mlx_redrafter import sweep
 from mlx_redrafter.api import LoadedModel
 from mlx_redrafter.cmd.app import app
 
+SPIN = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
+        "print(p.pid, flush=True); sys.stdin.read(); p.kill()")
+
 
 @pytest.fixture()
 def spinner():
-    """A process burning one core for the duration of a test (always killed)."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """Another process burning one core for the duration of a test (always killed): not a child of this one, whose
+    children the guard counts as the measurement's own workers (a benchmark's llama.cpp process)."""
+    parent = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        pid = int(parent.stdout.readline())
         time.sleep(0.5)
-        yield proc
+        yield type("Spinner", (), {"pid": pid})
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        parent.stdin.close()
+        parent.wait(timeout=10)
+
+
+def test_a_measurements_own_worker_is_not_another_process():
+    from mlx_redrafter.system.machine_state import snapshot
+
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert child.pid not in [p["pid"] for p in snapshot(0.5)["busy"]]
+    finally:
+        child.kill()
+        child.wait(timeout=10)
 
 
 def test_busy_machine_is_flagged(target, spinner, capsys):

@@ -32,8 +32,8 @@ def _clock_ticks() -> int:
         return 100
 
 
-def _proc_times() -> dict[int, tuple[str, int, int]] | None:
-    """pid -> (command name, nice, CPU ticks used so far) for every process; None without /proc."""
+def _proc_times() -> dict[int, tuple[str, int, int, int]] | None:
+    """pid -> (command name, nice, CPU ticks used so far, parent pid) for every process; None without /proc."""
     if not os.path.isdir("/proc/self"):
         return None
     out = {}
@@ -46,7 +46,7 @@ def _proc_times() -> dict[int, tuple[str, int, int]] | None:
         except OSError:  # the process ended meanwhile
             continue
         name, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :].split()
-        out[int(entry)] = (name, int(rest[16]), int(rest[11]) + int(rest[12]))  # comm, nice, utime + stime
+        out[int(entry)] = (name, int(rest[16]), int(rest[11]) + int(rest[12]), int(rest[1]))  # + ppid
     return out
 
 
@@ -59,15 +59,16 @@ def _cmdline(pid: int) -> str:
 
 
 def _others(t0: dict | None, t1: dict | None, seconds: float) -> dict[str, Any]:
-    """What processes other than this one used between two samples: `busy`, those above BUSY_CPU_PERCENT of a core,
-    and `others_cpu_percent`, all of them together (percent of one core). Without /proc: {"busy": None}."""
+    """What processes other than this one and its children (a benchmark's own workers, e.g. llama.cpp's) used between
+    two samples: `busy`, those above BUSY_CPU_PERCENT of a core, and `others_cpu_percent`, all of them together
+    (percent of one core). Without /proc: {"busy": None}."""
     if t0 is None or t1 is None:
         return {"busy": None}
     me, hz, out, total = os.getpid(), _clock_ticks(), [], 0.0
-    for pid, (name, nice, ticks) in t1.items():
-        if pid == me:
+    for pid, (name, nice, ticks, parent) in t1.items():
+        if me in (pid, parent):
             continue
-        pct = 100.0 * (ticks - t0.get(pid, (name, nice, 0))[2]) / hz / max(seconds, 1e-3)
+        pct = 100.0 * (ticks - t0.get(pid, (name, nice, 0, parent))[2]) / hz / max(seconds, 1e-3)
         total += pct
         if pct > BUSY_CPU_PERCENT:
             out.append({"pid": pid, "name": name, "nice": nice, "cpu_percent": round(pct, 1),
