@@ -1,4 +1,4 @@
-"""Default mode at beam lengths 3/4/5 (or argv[2], e.g. 2,3,4) vs plain decoding: 16 MT-bench first turns (every 5th) + 16 held-out corpus
+"""Default mode at beam lengths 3/4/5 (or argv[2], e.g. 2,3,4, or with a draft confidence cut L:P, e.g. 3,4:0.15) vs plain decoding: 16 MT-bench first turns (every 5th) + 16 held-out corpus
 prompts, 128 tokens, greedy float32, decode time, interleaved per prompt with rotating order."""
 import sys, json, time, os
 sys.path.insert(0, ".")
@@ -13,8 +13,10 @@ rows = first_turns()
 sets = {"mtbench": [api.encode_prompt(lm, rows[i]["prompt"]) for i in range(0, 80, 5)],
         "heldout": heldout_prompt_ids("data/corpus/smollm2-135m", 16)}
 cfgs = {"ar": DecodeOptions(draft="none", max_tokens=128)}
-for L in (tuple(int(x) for x in sys.argv[2].split(",")) if len(sys.argv) > 2 else (3, 4, 5)):
-    o = DecodeOptions(draft="auto", max_tokens=128); o = o.updated(beam_length=L); cfgs[f"L{L}"] = o
+for item in (sys.argv[2].split(",") if len(sys.argv) > 2 else ("3", "4", "5")):
+    L, _, P = item.partition(":")
+    o = DecodeOptions(draft="auto", max_tokens=128).updated(beam_length=int(L), draft_confidence=float(P or 0))
+    cfgs[f"L{L}" + (f"c{P}" if P else "")] = o
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 res = {s: {c: {"s": 0.0, "toks": 0, "steps": 0} for c in cfgs} for s in sets}
 ref = {}
