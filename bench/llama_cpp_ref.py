@@ -63,7 +63,8 @@ class LlamaCppDecoder:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the llama.cpp worker ended (exit status {self.proc.wait()})")
+            raise UserError(f"the llama.cpp worker ended (exit status {self.proc.wait()}, its error above): "
+                            "reinstall it with make .venv/.llama-cpp, or pass --no-llama-cpp")
         got = json.loads(line)
         stats = Stats(prompt_tokens=len(prompt), prefill_s=got["prefill_s"], decode_s=got["decode_s"],
                       stop_reason=got["stop"], generated_tokens=len(got["tokens"]))
@@ -111,4 +112,8 @@ def serve(gguf: str, context: int, threads: int, eos_ids: set[int]) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), {int(i) for i in sys.argv[4].split(",") if i})
+    try:
+        serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), {int(i) for i in sys.argv[4].split(",") if i})
+    except Exception as e:  # one line for the benchmark's own error to follow
+        print(f"error: llama.cpp: {e}", file=sys.stderr)
+        sys.exit(2)

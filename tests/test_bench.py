@@ -109,6 +109,22 @@ def test_llama_cpp_asked_for_where_it_cannot_run_is_one_error_line(monkeypatch):
     assert llama_cpp_file(BenchSpec(device="unit-test", llama_cpp=False), lm) is None
 
 
+def test_a_llama_cpp_worker_that_cannot_start_is_one_error_line(tmp_path, capfd):
+    """A worker that fails (a missing file here; where llama-cpp-python is not installed, its import) says one
+    `error:` line and the benchmark raises a one-line UserError: no traceback."""
+    import pytest
+
+    from bench.llama_cpp_ref import LlamaCppDecoder
+    from mlx_redrafter.errors import UserError
+    from mlx_redrafter.options import DecodeOptions
+
+    decoder = LlamaCppDecoder(tmp_path / "missing.gguf", [2], 512)
+    with pytest.raises(UserError, match="llama.cpp worker ended .*--no-llama-cpp"):
+        decoder([1, 2, 3], DecodeOptions(draft="none", max_tokens=4))
+    err = capfd.readouterr().err
+    assert err.startswith("error: llama.cpp: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_sweep_rewrites_only_its_own_section_of_the_readme(tmp_path):
     """A results folder's hand-kept README (an index of runs) survives every sweep; the latest sweep's section is
     replaced, never repeated."""
