@@ -19,7 +19,7 @@ static void float_rows(const Mat *m, const float *x, int M, float *y, int n0, in
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low4 = _mm256_set1_epi32(15);
   int K = m->K, G = K / 32;
   for (int n = n0; n < n1; n += 4) {
-    __m256 acc[3][4];
+    __m256 acc[6][4];
     for (int r = 0; r < M; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) for (int k = g * 32; k < g * 32 + 32; k += 8) {
       __m256 u[4];
@@ -54,7 +54,7 @@ static void int8_rows(const Mat *m, const int8_t *xq, const float *d, const floa
   int K = m->K, G = K / 32;
   const __m128i lo4 = _mm_set1_epi8(15); const __m256i ones = _mm256_set1_epi16(1);
   for (int n = n0; n < n1; n += 2) {
-    __m256 acc[3][2]; float bias[3][2] = {{0}};
+    __m256 acc[6][2]; float bias[6][2] = {{0}};
     for (int r = 0; r < M; r++) for (int j = 0; j < 2; j++) acc[r][j] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
       __m256i q[2]; float sc[2], bi[2];
@@ -107,6 +107,36 @@ static void int8_rows_opt(const Mat *m, const int8_t *xq, const float *d, const 
   }
 }
 
+
+/* Several rows of x per pass over a block of 4 weight rows: each group's 32 weights unpacked once and used for
+   every row of x (up to 6). */
+static void int8_rows_multi(const Mat *m, const int8_t *xq, const float *d, const float *ds, int M, float *y, int n0, int n1) {
+  int K = m->K, G = K / 32;
+  const __m128i lo4 = _mm_set1_epi8(15); const __m256i ones = _mm256_set1_epi16(1);
+  for (int n = n0; n < n1; n += 2) {
+    __m256 acc[6][2]; float bias[6][2];
+    for (int r = 0; r < M; r++) for (int j = 0; j < 2; j++) { acc[r][j] = _mm256_setzero_ps(); bias[r][j] = 0; }
+    for (int g = 0; g < G; g++) {
+      __m256i q[2]; float sc[2], bi[2];
+      for (int j = 0; j < 2; j++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(m->w + (size_t)(n + j) * K / 2 + g * 16));
+        q[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
+        sc[j] = m->s[(size_t)(n + j) * G + g]; bi[j] = m->b[(size_t)(n + j) * G + g];
+      }
+      for (int r = 0; r < M; r++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)(r * G + g) * 32));
+        __m256 dv = _mm256_set1_ps(d[r * G + g]); float dsum = ds[r * G + g];
+        for (int j = 0; j < 2; j++) {
+          __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xv), ones);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_set1_ps(sc[j]), dv), acc[r][j]);
+          bias[r][j] += bi[j] * dsum;
+        }
+      }
+    }
+    for (int r = 0; r < M; r++) for (int j = 0; j < 2; j++) y[r * m->N + n + j] = hsum(acc[r][j]) + bias[r][j];
+  }
+}
+
 int main(int argc, char **argv) {
   int M = argc > 1 ? atoi(argv[1]) : 1;
   int shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
@@ -119,10 +149,10 @@ int main(int argc, char **argv) {
     m->s = malloc(nw / 32 * 4); m->b = malloc(nw / 32 * 4);
     for (size_t j = 0; j < nw / 32; j++) { m->s[j] = 0.01f * (1 + rand() % 7); m->b[j] = -0.05f * (rand() % 3); }
   }
-  float *x = malloc(3 * 1536 * 4), *y = malloc(3 * 3072 * 4), *y2 = malloc(3 * 3072 * 4);
-  for (int i = 0; i < 3 * 1536; i++) x[i] = (rand() / (float)RAND_MAX - 0.5f) * 2;
-  int8_t *xq = malloc(3 * 1536); float *d = malloc(3 * 48 * 4), *ds = malloc(3 * 48 * 4);
-  for (int mode = 0; mode < 3; mode++) {
+  float *x = malloc(6 * 1536 * 4), *y = malloc(6 * 3072 * 4), *y2 = malloc(6 * 3072 * 4);
+  for (int i = 0; i < 6 * 1536; i++) x[i] = (rand() / (float)RAND_MAX - 0.5f) * 2;
+  int8_t *xq = malloc(6 * 1536); float *d = malloc(6 * 48 * 4), *ds = malloc(6 * 48 * 4);
+  for (int mode = 0; mode < 4; mode++) {
     double best = 1e9;
     for (int rep = 0; rep < 30; rep++) {
       double t0 = now();
@@ -131,17 +161,17 @@ int main(int argc, char **argv) {
         if (mode >= 1) quant_x(x, M, m->K, xq, d, ds);
         #pragma omp parallel num_threads(2)
         { int t = omp_get_thread_num(); int chunk = (m->N / 2 + 15) & ~15; int n0 = t * chunk, n1 = n0 + chunk < m->N ? n0 + chunk : m->N;
-          if (mode == 0) float_rows(m, x, M, y, n0, n1); else if (mode == 1) int8_rows(m, xq, d, ds, M, y2, n0, n1); else int8_rows_opt(m, xq, d, ds, M, y2, n0, n1); }
+          if (mode == 0) float_rows(m, x, M, y, n0, n1); else if (mode == 1) int8_rows(m, xq, d, ds, M, y2, n0, n1); else if (mode == 2) int8_rows_opt(m, xq, d, ds, M, y2, n0, n1); else int8_rows_multi(m, xq, d, ds, M, y2, n0, n1); }
       }
       double dt = now() - t0; if (dt < best) best = dt;
     }
-    printf("M %d %s: %.2f ms for the 120 products\n", M, mode == 2 ? "int8-opt" : mode ? "int8" : "float", best * 1e3);
+    printf("M %d %s: %.2f ms for the 120 products\n", M, mode == 3 ? "int8-multi" : mode == 2 ? "int8-opt" : mode ? "int8" : "float", best * 1e3);
   }
   // accuracy on the last matrix
   Mat *m = &mats[119]; quant_x(x, M, m->K, xq, d, ds); float_rows(m, x, M, y, 0, m->N); int8_rows(m, xq, d, ds, M, y2, 0, m->N);
   double e = 0, r = 0; for (int i = 0; i < m->N; i++) { e += fabs(y[i] - y2[i]); r += fabs(y[i]); }
   printf("mean |diff| / mean |y| = %.4f\n", e / r);
-  float *y3 = malloc(3 * 3072 * 4); int8_rows_opt(m, xq, d, ds, M, y3, 0, m->N);
+  float *y3 = malloc(6 * 3072 * 4); int8_rows_opt(m, xq, d, ds, M, y3, 0, m->N);
   double e3 = 0; for (int i = 0; i < m->N; i++) e3 += fabs(y3[i] - y2[i]);
   printf("opt vs int8: mean |diff| %.2e\n", e3 / m->N);
 }
