@@ -97,19 +97,21 @@ def configs_for(spec: BenchSpec, lm: Any) -> list[Any]:
     if spec.mlx_lm:
         from .mlx_lm_ref import MlxLmDecoder, mlx_lm_configs
 
-        decoder = MlxLmDecoder(lm.target.model, lm.tokenizer.eos_ids)
-        ars = [c for c in configs if c.is_ar]
-        k = configs.index(ars[0]) + 1
-        configs[k:k] = mlx_lm_configs(decoder, ars)
+        _after_first_ar(configs, mlx_lm_configs(MlxLmDecoder(lm.target.model, lm.tokenizer.eos_ids),
+                                                [c for c in configs if c.is_ar]))
     gguf = llama_cpp_file(spec, lm)
     if gguf is not None:
         from .llama_cpp_ref import LlamaCppDecoder, llama_cpp_configs
 
-        decoder = LlamaCppDecoder(gguf, lm.tokenizer.eos_ids, context=4096)
-        ars = [c for c in configs if c.is_ar]
-        k = configs.index(ars[0]) + 1
-        configs[k:k] = llama_cpp_configs(decoder, ars)
+        _after_first_ar(configs, llama_cpp_configs(LlamaCppDecoder(gguf, lm.tokenizer.eos_ids, context=4096),
+                                                   [c for c in configs if c.is_ar]))
     return configs
+
+
+def _after_first_ar(configs: list[Any], baseline: list[Any]) -> None:
+    """Insert a baseline's configurations right after our first AR configuration."""
+    k = next(i for i, c in enumerate(configs) if c.is_ar) + 1
+    configs[k:k] = baseline
 
 
 def llama_cpp_file(spec: BenchSpec, lm: Any) -> Path | None:
