@@ -37,12 +37,17 @@ class KVCache:
         self.keys[layer], self.values[layer] = new_k, new_v
         self.capacity = size
 
-    def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store N new entries at [offset, offset+N); return the visible keys/values [0, offset+N)."""
+    def store(self, layer: int, k: mx.array, v: mx.array) -> int:
+        """Store N new entries at [offset, offset+N); return offset+N, the entries a forward now attends."""
         end = self.offset + k.shape[2]
         self._ensure(layer, k, end)
         self.keys[layer][:, :, self.offset : end] = k
         self.values[layer][:, :, self.offset : end] = v
+        return end
+
+    def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store N new entries at [offset, offset+N); return the visible keys/values [0, offset+N)."""
+        end = self.store(layer, k, v)
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def advance(self, n: int) -> None:

@@ -507,7 +507,10 @@ class CompiledLayer:
     def __init__(self, args: ModelArgs, blocks: list[TransformerBlock]):
         h, h_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         eps = args.rms_norm_eps
-        self.scale = args.head_dim**-0.5
+        self.scale, self.eps = args.head_dim**-0.5, eps
+        # a packed call of one batch row set (not ragged) runs each layer's attention, output product and MLP as
+        # one node (`packed_linear.layer_after`, the same bits) where the kernels are connected
+        self.fuse_after = True
 
         def functions(mm):  # mm(x, w): a product with a weight as the functions take it
             def before(x, norm_w, qkv, cos, sin, spread=None):
@@ -560,6 +563,7 @@ class CompiledLayer:
                           (b.post_attention_layernorm, b.post_attention_layernorm.weight)]
         if self.packed_weights and len(formats) == 1:
             bits, group = formats.pop()
+            self.packed_format = (bits, group)
             self.packed_functions = functions(
                 lambda x, w: packed_linear.quantized_product(x, *w, bits, group))
         else:
@@ -575,17 +579,29 @@ class CompiledLayer:
             return False
         return held(self.held)
 
-    def __call__(self, layer: int, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None,
-                 cache: KVCache, ragged: Ragged | None = None) -> mx.array:
-        """Layer `layer` on x (B * N, dim) -> (B * N, dim) (ragged rows: (T, dim) -> (T, dim)), as
-        `TransformerBlock` computes it."""
+    def route(self, x: mx.array, cache: KVCache, ragged: Ragged | None = None) -> tuple[bool, bool]:
+        """How a call whose layers take x (rows, dim) runs, the same for every layer: (read the packed weights,
+        run each layer's attention, output product and MLP as one `packed_linear.layer_after` node)."""
         packed = self.packed_weights is not None and (self.weights is None or PackedWeights.takes(x))
+        fused = (packed and ragged is None and self.fuse_after and packed_linear.layer_after_ready()
+                 and cache.key_windows() is None)
+        return packed, fused
+
+    def __call__(self, layer: int, x: mx.array, rope: tuple[mx.array, mx.array], mask: mx.array | None,
+                 cache: KVCache, ragged: Ragged | None = None, route: tuple[bool, bool] | None = None) -> mx.array:
+        """Layer `layer` on x (B * N, dim) -> (B * N, dim) (ragged rows: (T, dim) -> (T, dim)), as
+        `TransformerBlock` computes it; `route`: the call's `route`, where the caller computed it once."""
+        packed, fused = route or self.route(x, cache, ragged)
         before, after, before_ragged, after_ragged = self.packed_functions if packed else self.functions
         norm1, qkv, o, norm2, gate_up, down = (self.packed_weights if packed else self.weights)[layer]
         if ragged is None:
             q, k, v = before(x, norm1, qkv, *rope)
         else:
             q, k, v = before_ragged(x, norm1, qkv, *rope, ragged.spread)
+        if fused:
+            visible = cache.store(layer, k, v)
+            return packed_linear.layer_after(x, q, cache.keys[layer], cache.values[layer], visible, mask, o, norm2,
+                                             gate_up, down, *self.packed_format, self.scale, self.eps)
         keys, values = cache.write(layer, k, v)
         out = attention(q, keys, values, self.scale, mask, cache.key_windows())
         if ragged is None:
@@ -725,10 +741,11 @@ class Model(nn.Module):
         x = self.embed(tokens).reshape(B * N, -1) if ragged is None else self.embed(ragged.flat(tokens))
         rope = self.rope(positions, x.dtype)  # (B, N, ...): applied once the tokens are laid out in rows
         compiled = self.compiled if self.compiled is not None and self.compiled.usable(N, x.shape[0]) else None
+        route = compiled.route(x, cache, ragged) if compiled is not None else None
         taps = []
         for i, layer in enumerate(self.model.layers):
             x = (layer(x, (B, N), rope, mask, cache, i, ragged) if compiled is None
-                 else compiled(i, x, rope, mask, cache, ragged))
+                 else compiled(i, x, rope, mask, cache, ragged, route))
             if i in self.feature_layers:
                 taps.append(rms_norm(x, None, TAP_EPS))
         post = self.model.norm(x)  # post-norm: what the vocabulary projection and a drafter read

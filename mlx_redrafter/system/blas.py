@@ -244,6 +244,11 @@ def install() -> BlasStatus:
             slower = k.slower
             fix = (f"build it with `make setup` (or `python -m {k.module.__name__}`), or set {k.switch}=off to "
                    "silence this")
+    if st.packed_weights and st.attention_kernel and st.vector_math:
+        missing = packed_linear.connect(attention_kernel.KERNEL.module, vector_math.KERNEL.module)
+        if missing and not st.problem:
+            st.problem, slower = missing, "each decoder layer runs as ~15 graph nodes instead of a few, slower"
+            fix = "rebuild the kernels with `make setup`, or set REDRAFTER_PACKED_WEIGHTS=off to silence this"
     if st.problem:
         if "small-GEMM" in st.problem:
             slower = "one-token decoding steps run slower"

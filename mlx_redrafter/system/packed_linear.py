@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import sys
 
+from mlx_redrafter.system import attention_kernel, vector_math
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 5  # the kernel build's version (its speed), shown in blas=...+packed1
+VERSION = 6  # the kernel build's version (its speed), shown in blas=...+packed6 (6: a layer's work after q, k, v)
 KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight kernel", "MLX's product", VERSION)
 # Rows up to which a target's product reads its 4- or 8-bit weights packed, by the kernel's variant: past them the
 # float32 product is as fast (its arithmetic dominates, and the packed one widens every weight again for each pass
@@ -87,6 +88,77 @@ def dequantize(weight, scales, biases, bits: int, group_size: int):
             or group_size % 8 != 0 or weight.ndim != 2):
         return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
     return kernel.dequantize(weight, scales, biases, bits, group_size)
+
+
+def connect(attention, vector_math) -> str:
+    """Hand the kernel the attention and vector-math kernels' tables (the loaded extensions `attention` and
+    `vector_math`), which `layer_after` runs beside its products, and check it against the separate nodes; returns
+    why `layer_after` is not available ('' when it is)."""
+    global _connected
+    kernel = KERNEL.module
+    _connected = False
+    if kernel is None or not hasattr(kernel, "layer_after"):
+        return "the packed-weight kernel is not built with layer_after"
+    if attention is None or vector_math is None or not (hasattr(attention, "kernels")
+                                                       and hasattr(vector_math, "kernels")):
+        return "the attention or vector-math kernels are not active (or were built before they handed kernels over)"
+    if not kernel.set_kernels(attention.kernels(), vector_math.kernels()):
+        return "no cblas_sgemm to call"
+    bad = _layer_after_check(attention, vector_math)
+    _connected = not bad
+    return f"layer_after disagrees with the separate nodes ({bad})" if bad else ""
+
+
+_connected = False  # connect() handed the kernel the other kernels and layer_after passed its check
+
+
+def layer_after_ready() -> bool:
+    """`layer_after` can run: the kernel and the two it runs beside are active, connected (`connect`), and MLX
+    computes on the CPU."""
+    return (_connected and usable() and attention_kernel.KERNEL.module is not None
+            and vector_math.KERNEL.module is not None)
+
+
+def layer_after(x, q, keys, values, visible: int, mask, o, norm, gate_up, down, bits: int, group_size: int,
+                scale: float, eps: float):
+    """A decoder layer's work after its q, k and v (`CompiledLayer`'s `after` and the attention before it) in one
+    node: x (T, H), q (B, h, N, D) as `attention_kernel.heads_rope` lays it out, the cache's keys and values (B,
+    h_kv, C, D) already holding this step's entries (the first `visible` attended), mask (B|1, 1, N, visible) bool
+    or None, the output, gate/up and down products' quantized weights as (weight, scales, biases) and the MLP norm's
+    weight -> the layer's output (T, H) (lazy). The bits of the separate nodes."""
+    return KERNEL.module.layer_after(x, q, keys, values, visible, mask, *o, norm, *gate_up, *down, bits, group_size,
+                                     scale, eps)
+
+
+def _layer_after_check(attention, vector_math) -> str:
+    """`layer_after` of one token and of three with a mask, against the separate nodes it stands for; '' when
+    they agree bit for bit."""
+    import mlx.core as mx
+
+    keys = iter(mx.random.split(mx.random.key(1), 12))
+    H, inner, h, hkv, D, S = 64, 96, 4, 2, 16, 11
+
+    def weights(n, k):
+        q, s, b = mx.quantize(mx.random.normal((n, k), key=next(keys)) * 0.1, group_size=32, bits=4)
+        return q, s.astype(mx.float32), b.astype(mx.float32)
+
+    o, gate_up, down = weights(H, h * D), weights(2 * inner, H), weights(H, inner)
+    norm = 1 + 0.1 * mx.random.normal((H,), key=next(keys))
+    cache_k, cache_v = (mx.random.normal((1, hkv, S + 5, D), key=next(keys)) for _ in range(2))
+    for n, masked in ((1, False), (3, True)):
+        x = mx.random.normal((n, H), key=next(keys))
+        q = mx.random.normal((1, h, n, D), key=next(keys))
+        mask = (mx.random.uniform(shape=(1, 1, n, S), key=next(keys)) > 0.3) | (mx.arange(S) == 0) if masked else None
+        got = layer_after(x, q, cache_k, cache_v, S, mask, o, norm, gate_up, down, 4, 32, 0.25, 1e-5)
+        scores = q.reshape(1, hkv, h // hkv * n, D) @ cache_k[:, :, :S].swapaxes(-1, -2)
+        out = attention.softmax_values(scores, cache_v[:, :, :S], 0.25, n, mask).reshape(1, h, n, D)
+        rows = out.reshape(1, h * D) if n == 1 else out.transpose(0, 2, 1, 3).reshape(n, h * D)
+        h1 = x + quantized_product(rows, *o, 4, 32)
+        gated = vector_math.silu_mul_halves(quantized_product(vector_math.rms_norm(h1, norm, 1e-5), *gate_up, 4, 32))
+        ref = h1 + quantized_product(gated, *down, 4, 32)
+        if not mx.array_equal(got, ref).item():
+            return f"{n} token(s): max difference {mx.abs(got - ref).max().item():.2e}"
+    return ""
 
 
 def _self_check() -> str:

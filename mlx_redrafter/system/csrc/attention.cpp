@@ -33,6 +33,8 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "compact.h"
+#include "kernel_tables.h"
 #include "vector_exp.h"
 
 namespace nb = nanobind;
@@ -198,15 +200,38 @@ class SoftmaxValues : public mx::Primitive {
 static View view_of(const mx::array& a, std::vector<float>& keep) {
     auto& st = a.strides();
     if (st[3] == 1 || a.shape(3) == 1) return View{a.data<float>(), (int64_t)st[0], (int64_t)st[1], (int64_t)st[2]};
-    const int n0 = a.shape(0), n1 = a.shape(1), n2 = a.shape(2), n3 = a.shape(3);
-    keep.resize((size_t)n0 * n1 * n2 * n3);
-    const float* src = a.data<float>();
-    size_t i = 0;
-    for (int x0 = 0; x0 < n0; ++x0)
-        for (int x1 = 0; x1 < n1; ++x1)
-            for (int x2 = 0; x2 < n2; ++x2)
-                for (int x3 = 0; x3 < n3; ++x3) keep[i++] = src[x0 * st[0] + x1 * st[1] + x2 * st[2] + x3 * st[3]];
-    return View{keep.data(), (int64_t)n1 * n2 * n3, (int64_t)n2 * n3, (int64_t)n3};
+    int64_t cs[3];
+    const float* p = compact4(a, keep, cs);
+    return View{p, cs[0], cs[1], cs[2]};
+}
+
+// softmax(scores * scale, masked) @ values for every (batch row, KV head): score rows numbered u * R + r, shared
+// out in contiguous ranges among up to `threads` threads once there is enough work.
+static void attend(const View& sv, const View& vv, const MaskView* mp, float* o, int B, int hkv, int R, int S, int D,
+                   int N, float scale, int threads, UnitFn unit) {
+    const int64_t total = (int64_t)B * hkv * R;
+    const int T = (int)std::min<int64_t>(threads, total);
+    const size_t wn = (size_t)(S + 15) / 16 * 16 + 16;  // scores padded to whole vectors
+    auto run = [&](int64_t lo, int64_t hi) {
+        std::vector<float> w(wn);
+        while (lo < hi) {
+            const int u = (int)(lo / R), r0 = (int)(lo % R), r1 = (int)std::min<int64_t>(R, r0 + hi - lo);
+            const int b = u / hkv, g = u % hkv;
+            const float* s0 = sv.data + b * sv.s0 + g * sv.s1;
+            float* ob = o + (int64_t)u * R * D;
+            unit(s0, sv.s2, vv, mp, ob, b, g, N, r0, r1, S, D, scale, w.data());
+            lo += r1 - r0;
+        }
+    };
+    if (T <= 1 || total * S * D < PARALLEL_WORK) {
+        run(0, total);
+        return;
+    }
+#pragma omp parallel num_threads(T)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        run(total * t / nt, total * (t + 1) / nt);
+    }
 }
 
 void SoftmaxValues::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -229,34 +254,20 @@ void SoftmaxValues::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
             mv = MaskView{m.data<bool>(), m.shape(0) == 1 ? 0 : (int64_t)st[0], m.shape(2) == 1 ? 0 : (int64_t)st[2],
                           (int64_t)st[3], m.shape(2) == R && R != N};
         }
-        const MaskView* mp = mv ? &*mv : nullptr;
-        // score rows of every (batch row, KV head), numbered u * R + r, shared out in contiguous ranges
-        const int64_t total = (int64_t)B * hkv * R;
-        const int T = (int)std::min<int64_t>(threads, total);
-        const size_t wn = (size_t)(S + 15) / 16 * 16 + 16;  // scores padded to whole vectors
-        float* o = out.data<float>();
-        auto run = [&](int64_t lo, int64_t hi) {
-            std::vector<float> w(wn);
-            while (lo < hi) {
-                const int u = (int)(lo / R), r0 = (int)(lo % R), r1 = (int)std::min<int64_t>(R, r0 + hi - lo);
-                const int b = u / hkv, g = u % hkv;
-                const float* s0 = sv.data + b * sv.s0 + g * sv.s1;
-                float* ob = o + (int64_t)u * R * D;
-                unit(s0, sv.s2, vv, mp, ob, b, g, N, r0, r1, S, D, scale, w.data());
-                lo += r1 - r0;
-            }
-        };
-        if (T <= 1 || total * S * D < PARALLEL_WORK) {
-            run(0, total);
-            return;
-        }
-#pragma omp parallel num_threads(T)
-        {
-            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            run(total * t / nt, total * (t + 1) / nt);
-        }
+        attend(sv, vv, mv ? &*mv : nullptr, out.data<float>(), B, hkv, R, S, D, N, scale, threads, unit);
     });
 }
+
+// The same through pointers and strides (kernel_tables.h): what a fused primitive of another extension runs.
+static void softmax_values_at(const float* scores, const int64_t* ss, const float* values, const int64_t* vs,
+                              const bool* mask, const int64_t* ms, bool grouped, float* out, int B, int hkv, int R,
+                              int S, int D, int N, float scale) {
+    const View sv{scores, ss[0], ss[1], ss[2]}, vv{values, vs[0], vs[1], vs[2]};
+    const MaskView mv{mask, mask ? ms[0] : 0, mask ? ms[1] : 0, mask ? ms[2] : 0, grouped};
+    attend(sv, vv, mask ? &mv : nullptr, out, B, hkv, R, S, D, N, scale, threads_, unit_fn_);
+}
+
+const AttentionKernels kernels_ = {1, softmax_values_at};
 
 // scores (B, h_kv, G * N, S) = q.k per KV head (rows: query head in the group, then token), v (B, h_kv, S, D),
 // mask (B or 1, 1, N, S) -> softmax(scores * scale, masked) @ v, (B, h_kv, G * N, D).
@@ -378,6 +389,7 @@ NB_MODULE(_attention, m) {
           nb::arg("spread") = nb::none());
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
+    m.def("kernels", []() { return nb::capsule(&kernels_, ATTENTION_KERNELS); });
     m.def("version", []() { return 2; });
     set_isa("best");
 }

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include <dlfcn.h>
 #include <omp.h>
 
 #include <nanobind/nanobind.h>
@@ -29,6 +30,8 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "compact.h"
+#include "kernel_tables.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -567,6 +570,33 @@ static void in_row_shares(int threads, int N, int64_t K, Run& run) {
     }
 }
 
+// A quantized weight's rows, scales and biases as the kernel reads them: in place where their entries are
+// contiguous, else copied (owned here).
+struct Quantized {
+    const uint8_t* w;
+    const float *s, *b;
+    int64_t ldw, lds;  // bytes from one weight row to the next; scales (and biases) likewise
+    std::vector<uint32_t> qc;
+    std::vector<float> sc, bc;
+
+    Quantized(const mx::array& weight, const mx::array& scales, const mx::array& biases) {
+        int64_t unused;
+        w = reinterpret_cast<const uint8_t*>(rows_of(weight.data<uint32_t>(), weight, qc, ldw));
+        ldw *= 4;
+        s = rows_of(scales.data<float>(), scales, sc, lds);
+        b = rows_of(biases.data<float>(), biases, bc, unused);
+    }
+    Quantized(const Quantized&) = delete;
+};
+
+// y (M, N) = x (M, K, rows ldx apart) times the quantized weight's rows (N, K), shared among `threads` threads.
+static void product(const Quantized& q, int N, int kind, int group, const float* x, int64_t ldx, int M, int K,
+                    float* y, int threads, RowsFn rows) {
+    Args a{x, ldx, q.w, q.ldw, q.s, q.b, q.lds, y, (int64_t)N, M, K, kind, group};
+    auto run = [&](int n0, int n1) { rows(a, n0, n1); };
+    in_row_shares(threads, N, K, run);
+}
+
 class PackedLinear : public mx::Primitive {
    public:
     PackedLinear(mx::Stream s, int kind, int group, bool bias)
@@ -601,7 +631,7 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
         std::vector<float> xc, sc, bc;
         std::vector<uint16_t> hc;
         std::vector<uint32_t> qc;
-        int64_t ldx, ldw, lds = 0, unused;
+        int64_t ldx, ldw, lds = 0;
         const float* xp = rows_of(x.data<float>(), x, xc, ldx);
         const uint8_t* wp;
         const float *sp = nullptr, *bp = nullptr;
@@ -609,10 +639,9 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
             wp = reinterpret_cast<const uint8_t*>(rows_of(w.data<uint16_t>(), w, hc, ldw));
             ldw *= 2;
         } else {
-            wp = reinterpret_cast<const uint8_t*>(rows_of(w.data<uint32_t>(), w, qc, ldw));
-            ldw *= 4;
-            sp = rows_of(ins[2].data<float>(), ins[2], sc, lds);
-            bp = rows_of(ins[3].data<float>(), ins[3], bc, unused);
+            Quantized q(w, ins[2], ins[3]);
+            wp = q.w, ldw = q.ldw, sp = q.s, bp = q.b, lds = q.lds;
+            qc = std::move(q.qc), sc = std::move(q.sc), bc = std::move(q.bc);
         }
         Args a{xp, ldx, wp, ldw, sp, bp, lds, out.data<float>(), (int64_t)N, M, K, kind, group};
         const float* b = bias ? ins.back().data<float>() : nullptr;
@@ -659,6 +688,190 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
         throw std::invalid_argument("quantized_linear: float32 x (M, K), uint32 w (N, K * bits / 32), float32 scales "
                                     "and biases (N, K / group_size)");
     return packed_linear(x, {w, scales, biases}, w.shape(0), bits, group_size, bias);
+}
+
+// The kernels LayerAfter runs beside ours, handed over by the other extensions (kernel_tables.h), and the
+// cblas_sgemm MLX's matrix products call (the small-GEMM kernel's where it is loaded).
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+const AttentionKernels* attention_ = nullptr;
+const VectorMathKernels* vector_math_ = nullptr;
+SgemmFn sgemm_ = nullptr;
+
+// A decoder layer's work after its queries, keys and values are laid out and the cache holds this step's keys and
+// values: attention over the cache's first `visible` positions, the output product, the residual, the MLP's norm,
+// gate/up product, gate and down product, and the residual again, in one graph node where MLX's graph took ~15 (a
+// slice of the keys and of the values, their transpose, the scores' product, the softmax, reshapes, the products
+// and element-wise nodes, each a dispatch of its own on MLX's CPU backend), from weights quantized as
+// `quantized_linear` takes them. Each step calls what the separate nodes call, in their order: cblas_sgemm as MLX's
+// matmul calls it for the scores (row-major, the keys transposed), the attention kernel's softmax_values, this
+// kernel's products, the vector-math kernel's norm and gate; so the same bits.
+class LayerAfter : public mx::Primitive {
+   public:
+    LayerAfter(mx::Stream s, int hkv, int visible, float scale, float eps, int bits, int group, bool masked)
+        : mx::Primitive(s), hkv_(hkv), visible_(visible), scale_(scale), eps_(eps), bits_(bits), group_(group),
+          masked_(masked) {}
+
+    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("layer_after runs on the CPU only");
+    }
+    const char* name() const override { return "LayerAfter"; }
+    bool is_equivalent(const mx::Primitive& other) const override {
+        auto& o = static_cast<const LayerAfter&>(other);
+        return hkv_ == o.hkv_ && visible_ == o.visible_ && scale_ == o.scale_ && eps_ == o.eps_ &&
+               bits_ == o.bits_ && group_ == o.group_ && masked_ == o.masked_;
+    }
+
+   private:
+    int hkv_, visible_;
+    float scale_, eps_;
+    int bits_, group_;
+    bool masked_;
+};
+
+// An evaluated float32 array of 4 dims as (pointer, strides of dims 0-2): its own memory where its last dim is
+// contiguous and dim 2's rows lie a row apart (with `whole`, dim 1's too), else a compact copy in `keep`.
+static const float* rows4(const mx::array& a, bool whole, std::vector<float>& keep, int64_t* st) {
+    auto& s = a.strides();
+    if (s[3] == 1 && s[2] == a.shape(3) && (!whole || s[1] == (int64_t)a.shape(2) * a.shape(3))) {
+        st[0] = s[0], st[1] = s[1], st[2] = s[2];
+        return a.data<float>();
+    }
+    return compact4(a, keep, st);
+}
+
+void LayerAfter::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), hkv = hkv_, S = visible_, scale = scale_,
+                  eps = eps_, kind = bits_, group = group_, masked = masked_, threads = threads_, rows = rows_fn_,
+                  att = attention_, vm = vector_math_, sgemm = sgemm_]() mutable {
+        const auto &x = ins[0], &q = ins[1], &keys = ins[2], &values = ins[3];
+        const int T = x.shape(0), H = x.shape(1);
+        const int B = q.shape(0), h = q.shape(1), N = q.shape(2), D = q.shape(3), G = h / hkv, R = G * N;
+        const int I = ins[11].shape(1) * 32 / kind;  // the down product's inputs
+        std::vector<float> xc, qc, kc, vc, nc, scores((size_t)B * hkv * R * S), att_out((size_t)B * h * N * D),
+            rows_in, y((size_t)T * H), h1((size_t)T * H), n2((size_t)T * H), gu((size_t)T * 2 * I),
+            gate((size_t)T * I);
+        int64_t ldx, qs[3], ks[3], vs[3];
+        const float* xp = rows_of(x.data<float>(), x, xc, ldx);
+        const float* qp = rows4(q, true, qc, qs);  // a KV head's G * N rows of D, one after another
+        const float* kp = rows4(keys, false, kc, ks);
+        const float* vp = rows4(values, false, vc, vs);
+        const float* norm = ins[7].data<float>();
+        if (ins[7].strides()[0] != 1) {
+            nc.resize(H);
+            for (int i = 0; i < H; ++i) nc[i] = norm[i * ins[7].strides()[0]];
+            norm = nc.data();
+        }
+        // scores (B, h_kv, G * N, S) = q.k per KV head, as MLX's matmul calls cblas_sgemm for q @ k^T
+        for (int b = 0; b < B; ++b)
+            for (int g = 0; g < hkv; ++g)
+                sgemm(101, 111, 112, R, S, D, 1.0f, qp + b * qs[0] + (int64_t)g * G * qs[1], D,
+                      kp + b * ks[0] + g * ks[1], D, 0.0f, scores.data() + ((int64_t)b * hkv + g) * R * S, S);
+        const int64_t ss[3] = {(int64_t)hkv * R * S, (int64_t)R * S, S};
+        const bool* mp = nullptr;
+        int64_t ms[3] = {0, 0, 0};
+        bool grouped = false;
+        if (masked) {
+            const auto& m = ins[14];
+            auto& st = m.strides();
+            mp = m.data<bool>();
+            ms[0] = m.shape(0) == 1 ? 0 : st[0], ms[1] = m.shape(2) == 1 ? 0 : st[2], ms[2] = st[3];
+            grouped = m.shape(2) == R && R != N;
+        }
+        att->softmax_values(scores.data(), ss, vp, vs, mp, ms, grouped, att_out.data(), B, hkv, R, S, D, N, scale);
+        // (B, h, N, D) -> rows (B * N, h * D)
+        const float* rp = att_out.data();
+        if (N > 1) {
+            rows_in.resize((size_t)T * h * D);
+            for (int b = 0; b < B; ++b)
+                for (int j = 0; j < h; ++j)
+                    for (int n = 0; n < N; ++n)
+                        std::memcpy(rows_in.data() + ((int64_t)(b * N + n) * h + j) * D,
+                                    att_out.data() + (((int64_t)b * h + j) * N + n) * D, sizeof(float) * D);
+            rp = rows_in.data();
+        }
+        {
+            Quantized o(ins[4], ins[5], ins[6]);
+            product(o, H, kind, group, rp, (int64_t)h * D, T, h * D, y.data(), threads, rows);
+        }
+        for (int t = 0; t < T; ++t)
+            for (int i = 0; i < H; ++i) h1[(size_t)t * H + i] = xp[t * ldx + i] + y[(size_t)t * H + i];
+        vm->rms_rows(h1.data(), norm, 0, T, H, (float)(1.0 / (double)H), eps, n2.data());
+        {
+            Quantized gate_up(ins[8], ins[9], ins[10]);
+            product(gate_up, 2 * I, kind, group, n2.data(), H, T, H, gu.data(), threads, rows);
+        }
+        vm->silu_mul_halves_rows(gu.data(), T, I, gate.data());
+        {
+            Quantized down(ins[11], ins[12], ins[13]);
+            product(down, H, kind, group, gate.data(), I, T, I, y.data(), threads, rows);
+        }
+        float* o = out.data<float>();
+        for (size_t i = 0; i < (size_t)T * H; ++i) o[i] = h1[i] + y[i];
+    });
+}
+
+// Whether LayerAfter can run: the other extensions' kernels handed over and a cblas_sgemm found.
+static bool layer_after_ready() { return attention_ && vector_math_ && sgemm_; }
+
+// Take the attention and vector-math kernels' tables (their `kernels()` capsules); returns whether LayerAfter can
+// now run.
+static bool set_kernels(nb::capsule attention, nb::capsule vector_math) {
+    if (std::string(attention.name()) != ATTENTION_KERNELS || std::string(vector_math.name()) != VECTOR_MATH_KERNELS)
+        throw std::invalid_argument("set_kernels: the attention and vector-math kernels' capsules");
+    auto a = static_cast<const AttentionKernels*>(attention.data());
+    auto v = static_cast<const VectorMathKernels*>(vector_math.data());
+    attention_ = a->version == 1 ? a : nullptr;
+    vector_math_ = v->version == 1 ? v : nullptr;
+    sgemm_ = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+    return layer_after_ready();
+}
+
+// x (T, H) float32, q (B, h, N, D) as `heads_rope` lays it out (T = B * N), the cache's keys and values (B, h_kv,
+// C, D) holding this step's entries, of which the first `visible` are attended, mask (B or 1, 1, N or G * N,
+// visible) bool or None; the output product (o), the MLP's norm weight (H) and its gate/up and down products as
+// `quantized_linear` takes weights -> the layer's output (T, H).
+mx::array layer_after(const mx::array& x, const mx::array& q, const mx::array& keys, const mx::array& values,
+                      int visible, std::optional<mx::array> mask, const mx::array& o_w, const mx::array& o_s,
+                      const mx::array& o_b, const mx::array& norm, const mx::array& gu_w, const mx::array& gu_s,
+                      const mx::array& gu_b, const mx::array& down_w, const mx::array& down_s,
+                      const mx::array& down_b, int bits, int group_size, float scale, float eps) {
+    if (!layer_after_ready()) throw std::runtime_error("layer_after: set_kernels has not handed over the kernels");
+    if ((bits != 4 && bits != 8) || group_size < 16 || group_size % 16 != 0)
+        throw std::invalid_argument("layer_after: bits 4 or 8, group_size a multiple of 16");
+    for (auto* a : {&x, &q, &keys, &values, &o_s, &o_b, &norm, &gu_s, &gu_b, &down_s, &down_b})
+        if (a->dtype() != mx::float32) throw std::invalid_argument("layer_after: float32 activations, scales and biases");
+    for (auto* a : {&o_w, &gu_w, &down_w})
+        if (a->dtype() != mx::uint32 || a->ndim() != 2) throw std::invalid_argument("layer_after: uint32 weights (N, K * bits / 32)");
+    if (x.ndim() != 2 || q.ndim() != 4 || keys.ndim() != 4 || values.shape() != keys.shape())
+        throw std::invalid_argument("layer_after: x (T, H), q (B, h, N, D), keys and values (B, h_kv, C, D)");
+    const int T = x.shape(0), H = x.shape(1), B = q.shape(0), h = q.shape(1), N = q.shape(2), D = q.shape(3);
+    const int hkv = keys.shape(1), per = 32 / bits;
+    const int I = down_w.shape(1) * per;
+    if (T != B * N || keys.shape(0) != B || keys.shape(3) != D || hkv < 1 || h % hkv != 0 || visible < 1 ||
+        visible > keys.shape(2) || norm.shape() != mx::Shape{H} || o_w.shape(0) != H || o_w.shape(1) * per != h * D ||
+        gu_w.shape(0) != 2 * I || gu_w.shape(1) * per != H || down_w.shape(0) != H || H % group_size != 0 ||
+        I % group_size != 0 || (h * D) % group_size != 0 || o_s.shape() != mx::Shape{H, h * D / group_size} ||
+        gu_s.shape() != mx::Shape{2 * I, H / group_size} || down_s.shape() != mx::Shape{H, I / group_size} ||
+        o_b.shape() != o_s.shape() || gu_b.shape() != gu_s.shape() || down_b.shape() != down_s.shape())
+        throw std::invalid_argument("layer_after: shapes of one decoder layer");
+    std::vector<mx::array> ins = {x, q, keys, values, o_w, o_s, o_b, norm, gu_w, gu_s, gu_b, down_w, down_s, down_b};
+    if (mask) {
+        if (mask->ndim() != 4 || mask->shape(1) != 1 ||
+            (mask->shape(0) != 1 && mask->shape(0) != B) ||
+            (mask->shape(2) != 1 && mask->shape(2) != N && mask->shape(2) != h / hkv * N) || mask->shape(3) != visible)
+            throw std::invalid_argument("layer_after: mask (B or 1, 1, N, visible)");
+        ins.push_back(mask->dtype() == mx::bool_ ? *mask : mx::astype(*mask, mx::bool_));
+    }
+    auto s = mx::default_stream(mx::Device::cpu);
+    return mx::array({T, H}, mx::float32,
+                     std::make_shared<LayerAfter>(s, hkv, visible, scale, eps, bits, group_size, mask.has_value()),
+                     std::move(ins));
 }
 
 // dequantize(w, scales, biases) in float32 with mx.dequantize's bits (a model's float32 copies at load time): each
@@ -787,6 +1000,12 @@ NB_MODULE(_packed_linear, m) {
           nb::arg("bits"), nb::arg("group_size"), nb::arg("bias") = nb::none());
     m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"),
           nb::arg("group_size"));
+    m.def("layer_after", &layer_after, nb::arg("x"), nb::arg("q"), nb::arg("keys"), nb::arg("values"),
+          nb::arg("visible"), nb::arg("mask").none(), nb::arg("o_w"), nb::arg("o_s"), nb::arg("o_b"), nb::arg("norm"),
+          nb::arg("gu_w"), nb::arg("gu_s"), nb::arg("gu_b"), nb::arg("down_w"), nb::arg("down_s"), nb::arg("down_b"),
+          nb::arg("bits"), nb::arg("group_size"), nb::arg("scale"), nb::arg("eps"));
+    m.def("set_kernels", &set_kernels, nb::arg("attention"), nb::arg("vector_math"));
+    m.def("layer_after_ready", &layer_after_ready);
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
     m.def("version", []() { return 1; });

@@ -28,6 +28,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "kernel_tables.h"
 #include "vector_exp.h"
 
 namespace nb = nanobind;
@@ -473,6 +474,14 @@ mx::array softmax_scaled_rows(const mx::array& x, const mx::array& lse, const mx
                      std::move(ins));
 }
 
+// What a fused primitive of another extension runs (kernel_tables.h): the rows of `rms_norm` and of
+// `silu_mul_halves` as those primitives compute each row, with the variant `set_isa` chose.
+static void silu_mul_halves_rows(const float* gu, int64_t rows, int64_t h, float* out) {
+    for (int64_t r = 0; r < rows; ++r) silu_fn_(gu + 2 * h * r, gu + 2 * h * r + h, 0, h, out + h * r);
+}
+
+const VectorMathKernels kernels_ = {1, rms_rows, silu_mul_halves_rows};
+
 }  // namespace
 
 NB_MODULE(_vector_math, m) {
@@ -487,6 +496,7 @@ NB_MODULE(_vector_math, m) {
     m.def("top_k_rows", &top_k_rows, nb::arg("x"), nb::arg("k"));
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
+    m.def("kernels", []() { return nb::capsule(&kernels_, VECTOR_MATH_KERNELS); });
     m.def("version", []() { return 2; });
     set_isa("best");
 }
