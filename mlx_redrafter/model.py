@@ -507,10 +507,10 @@ class CompiledLayer:
     def __init__(self, args: ModelArgs, blocks: list[TransformerBlock]):
         h, h_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         eps = args.rms_norm_eps
-        self.scale, self.eps = args.head_dim**-0.5, eps
-        # a packed call of one batch row set (not ragged) runs each layer's attention, output product and MLP as
-        # one node (`packed_linear.layer_after`, the same bits) where the kernels are connected
-        self.fuse_after = True
+        self.scale, self.eps, self.heads, self.kv_heads = args.head_dim**-0.5, eps, h, h_kv
+        # a packed call that is not ragged runs each layer as two nodes around the cache write
+        # (`packed_linear.layer_before`, `layer_after`: the same bits) where the kernels are connected
+        self.fuse = True
 
         def functions(mm):  # mm(x, w): a product with a weight as the functions take it
             def before(x, norm_w, qkv, cos, sin, spread=None):
@@ -581,9 +581,9 @@ class CompiledLayer:
 
     def route(self, x: mx.array, cache: KVCache, ragged: Ragged | None = None) -> tuple[bool, bool]:
         """How a call whose layers take x (rows, dim) runs, the same for every layer: (read the packed weights,
-        run each layer's attention, output product and MLP as one `packed_linear.layer_after` node)."""
+        run each layer as two nodes around the cache write: `packed_linear.layer_before` and `layer_after`)."""
         packed = self.packed_weights is not None and (self.weights is None or PackedWeights.takes(x))
-        fused = (packed and ragged is None and self.fuse_after and packed_linear.layer_after_ready()
+        fused = (packed and ragged is None and self.fuse and packed_linear.fused_layers_ready()
                  and cache.key_windows() is None)
         return packed, fused
 
@@ -594,14 +594,16 @@ class CompiledLayer:
         packed, fused = route or self.route(x, cache, ragged)
         before, after, before_ragged, after_ragged = self.packed_functions if packed else self.functions
         norm1, qkv, o, norm2, gate_up, down = (self.packed_weights if packed else self.weights)[layer]
+        if fused:
+            q, k, v = packed_linear.layer_before(x, norm1, qkv, *rope, self.heads, self.kv_heads,
+                                                 *self.packed_format, self.eps)
+            visible = cache.store(layer, k, v)
+            return packed_linear.layer_after(x, q, cache.keys[layer], cache.values[layer], visible, mask, o, norm2,
+                                             gate_up, down, *self.packed_format, self.scale, self.eps)
         if ragged is None:
             q, k, v = before(x, norm1, qkv, *rope)
         else:
             q, k, v = before_ragged(x, norm1, qkv, *rope, ragged.spread)
-        if fused:
-            visible = cache.store(layer, k, v)
-            return packed_linear.layer_after(x, q, cache.keys[layer], cache.values[layer], visible, mask, o, norm2,
-                                             gate_up, down, *self.packed_format, self.scale, self.eps)
         keys, values = cache.write(layer, k, v)
         out = attention(q, keys, values, self.scale, mask, cache.key_windows())
         if ragged is None:

@@ -218,8 +218,8 @@ def test_a_decoding_step_runs_through_our_kernel_nodes(target):
     dot = io.StringIO()
     mx.export_to_dot(dot, logits, hidden)
     nodes = re.findall(r'label ="([A-Za-z]+)"', dot.getvalue())
-    fused = nodes.count("LayerAfter")  # attention, output product and MLP in one node (test_packed_linear.py)
-    assert nodes.count("HeadsRope") == layers and nodes.count("SiluMulHalves") + fused == layers
-    assert nodes.count("RmsNorm") + fused >= 2 * layers + 1
+    fused = nodes.count("LayerAfter")  # a layer as two nodes around the cache write (test_packed_linear.py)
+    assert nodes.count("HeadsRope") + fused == layers and nodes.count("SiluMulHalves") + fused == layers
+    assert nodes.count("RmsNorm") + 2 * fused >= 2 * layers + 1
     assert "Square" not in nodes and "Contiguous" not in nodes and nodes.count("Concatenate") <= 1  # (the taps)
     assert len(nodes) <= 21 * layers + 12, len(nodes)

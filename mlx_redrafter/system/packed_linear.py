@@ -23,7 +23,7 @@ import sys
 from mlx_redrafter.system import attention_kernel, vector_math
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 6  # the kernel build's version (its speed), shown in blas=...+packed6 (6: a layer's work after q, k, v)
+VERSION = 6  # the kernel build's version (its speed), shown in blas=...+packed6 (6: a layer as two nodes)
 KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight kernel", "MLX's product", VERSION)
 # Rows up to which a target's product reads its 4- or 8-bit weights packed, by the kernel's variant: past them the
 # float32 product is as fast (its arithmetic dominates, and the packed one widens every weight again for each pass
@@ -92,72 +92,87 @@ def dequantize(weight, scales, biases, bits: int, group_size: int):
 
 def connect(attention, vector_math) -> str:
     """Hand the kernel the attention and vector-math kernels' tables (the loaded extensions `attention` and
-    `vector_math`), which `layer_after` runs beside its products, and check it against the separate nodes; returns
-    why `layer_after` is not available ('' when it is)."""
+    `vector_math`), which `layer_before` and `layer_after` run beside its products, and check those against the
+    separate nodes; returns why they are not available ('' when they are)."""
     global _connected
     kernel = KERNEL.module
     _connected = False
-    if kernel is None or not hasattr(kernel, "layer_after"):
-        return "the packed-weight kernel is not built with layer_after"
+    if kernel is None or not hasattr(kernel, "layer_before"):
+        return "the packed-weight kernel is not built with layer_before and layer_after"
     if attention is None or vector_math is None or not (hasattr(attention, "kernels")
                                                        and hasattr(vector_math, "kernels")):
         return "the attention or vector-math kernels are not active (or were built before they handed kernels over)"
     if not kernel.set_kernels(attention.kernels(), vector_math.kernels()):
-        return "no cblas_sgemm to call"
-    bad = _layer_after_check(attention, vector_math)
+        return "the attention kernel was built before it handed heads_rope over, or no cblas_sgemm to call"
+    bad = _fused_layers_check(attention, vector_math)
     _connected = not bad
-    return f"layer_after disagrees with the separate nodes ({bad})" if bad else ""
+    return f"the fused layer nodes disagree with the separate nodes ({bad})" if bad else ""
 
 
-_connected = False  # connect() handed the kernel the other kernels and layer_after passed its check
+_connected = False  # connect() handed the kernel the other kernels and the fused nodes passed their check
 
 
-def layer_after_ready() -> bool:
-    """`layer_after` can run: the kernel and the two it runs beside are active, connected (`connect`), and MLX
-    computes on the CPU."""
+def fused_layers_ready() -> bool:
+    """`layer_before` and `layer_after` can run: the kernel and the two it runs beside are active, connected
+    (`connect`), and MLX computes on the CPU."""
     return (_connected and usable() and attention_kernel.KERNEL.module is not None
             and vector_math.KERNEL.module is not None)
 
 
+def layer_before(x, norm, qkv, cos, sin, heads: int, kv_heads: int, bits: int, group_size: int, eps: float):
+    """A decoder layer's work before the cache write (`CompiledLayer`'s `before`) in one node: x (B * N, H), the
+    input norm's weight, the q/k/v product's quantized weights as (weight, scales, biases), the rope's cos and sin
+    (B, N, 1, D / 2) -> (q (B, heads, N, D), k, v (B, kv_heads, N, D)) as `attention_kernel.heads_rope` lays them
+    out (lazy). The bits of the separate nodes."""
+    return tuple(KERNEL.module.layer_before(x, norm, *qkv, cos, sin, heads, kv_heads, bits, group_size, eps))
+
+
 def layer_after(x, q, keys, values, visible: int, mask, o, norm, gate_up, down, bits: int, group_size: int,
                 scale: float, eps: float):
-    """A decoder layer's work after its q, k and v (`CompiledLayer`'s `after` and the attention before it) in one
-    node: x (T, H), q (B, h, N, D) as `attention_kernel.heads_rope` lays it out, the cache's keys and values (B,
-    h_kv, C, D) already holding this step's entries (the first `visible` attended), mask (B|1, 1, N, visible) bool
-    or None, the output, gate/up and down products' quantized weights as (weight, scales, biases) and the MLP norm's
-    weight -> the layer's output (T, H) (lazy). The bits of the separate nodes."""
+    """A decoder layer's work after the cache write (the attention and `CompiledLayer`'s `after`) in one node: x
+    (T, H), q (B, h, N, D) as `layer_before` lays it out, the cache's keys and values (B, h_kv, C, D) already
+    holding this step's entries (the first `visible` attended), mask (B|1, 1, N, visible) bool or None, the
+    output, gate/up and down products' quantized weights as (weight, scales, biases) and the MLP norm's weight ->
+    the layer's output (T, H) (lazy). The bits of the separate nodes."""
     return KERNEL.module.layer_after(x, q, keys, values, visible, mask, *o, norm, *gate_up, *down, bits, group_size,
                                      scale, eps)
 
 
-def _layer_after_check(attention, vector_math) -> str:
-    """`layer_after` of one token and of three with a mask, against the separate nodes it stands for; '' when
-    they agree bit for bit."""
+def _fused_layers_check(attention, vector_math) -> str:
+    """`layer_before` and `layer_after` of one token and of three (with a mask), against the separate nodes they
+    stand for; '' when they agree bit for bit."""
     import mlx.core as mx
 
-    keys = iter(mx.random.split(mx.random.key(1), 12))
+    keys = iter(mx.random.split(mx.random.key(1), 20))
     H, inner, h, hkv, D, S = 64, 96, 4, 2, 16, 11
 
     def weights(n, k):
         q, s, b = mx.quantize(mx.random.normal((n, k), key=next(keys)) * 0.1, group_size=32, bits=4)
         return q, s.astype(mx.float32), b.astype(mx.float32)
 
-    o, gate_up, down = weights(H, h * D), weights(2 * inner, H), weights(H, inner)
-    norm = 1 + 0.1 * mx.random.normal((H,), key=next(keys))
+    qkv, o, gate_up, down = weights((h + 2 * hkv) * D, H), weights(H, h * D), weights(2 * inner, H), weights(H, inner)
+    norm1, norm2 = (1 + 0.1 * mx.random.normal((H,), key=next(keys)) for _ in range(2))
     cache_k, cache_v = (mx.random.normal((1, hkv, S + 5, D), key=next(keys)) for _ in range(2))
     for n, masked in ((1, False), (3, True)):
         x = mx.random.normal((n, H), key=next(keys))
-        q = mx.random.normal((1, h, n, D), key=next(keys))
+        angles = mx.random.uniform(shape=(1, n, 1, D // 2), key=next(keys)) * 6
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        got = layer_before(x, norm1, qkv, cos, sin, h, hkv, 4, 32, 1e-5)
+        ref = attention.heads_rope(quantized_product(vector_math.rms_norm(x, norm1, 1e-5), *qkv, 4, 32), cos, sin,
+                                   h, hkv)
+        if not all(mx.array_equal(a, b).item() for a, b in zip(got, ref)):
+            return f"layer_before, {n} token(s)"
+        q = got[0]
         mask = (mx.random.uniform(shape=(1, 1, n, S), key=next(keys)) > 0.3) | (mx.arange(S) == 0) if masked else None
-        got = layer_after(x, q, cache_k, cache_v, S, mask, o, norm, gate_up, down, 4, 32, 0.25, 1e-5)
+        got = layer_after(x, q, cache_k, cache_v, S, mask, o, norm2, gate_up, down, 4, 32, 0.25, 1e-5)
         scores = q.reshape(1, hkv, h // hkv * n, D) @ cache_k[:, :, :S].swapaxes(-1, -2)
         out = attention.softmax_values(scores, cache_v[:, :, :S], 0.25, n, mask).reshape(1, h, n, D)
         rows = out.reshape(1, h * D) if n == 1 else out.transpose(0, 2, 1, 3).reshape(n, h * D)
         h1 = x + quantized_product(rows, *o, 4, 32)
-        gated = vector_math.silu_mul_halves(quantized_product(vector_math.rms_norm(h1, norm, 1e-5), *gate_up, 4, 32))
+        gated = vector_math.silu_mul_halves(quantized_product(vector_math.rms_norm(h1, norm2, 1e-5), *gate_up, 4, 32))
         ref = h1 + quantized_product(gated, *down, 4, 32)
         if not mx.array_equal(got, ref).item():
-            return f"{n} token(s): max difference {mx.abs(got - ref).max().item():.2e}"
+            return f"layer_after, {n} token(s): max difference {mx.abs(got - ref).max().item():.2e}"
     return ""
 
 

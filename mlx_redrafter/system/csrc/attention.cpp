@@ -267,7 +267,6 @@ static void softmax_values_at(const float* scores, const int64_t* ss, const floa
     attend(sv, vv, mask ? &mv : nullptr, out, B, hkv, R, S, D, N, scale, threads_, unit_fn_);
 }
 
-const AttentionKernels kernels_ = {1, softmax_values_at};
 
 // scores (B, h_kv, G * N, S) = q.k per KV head (rows: query head in the group, then token), v (B, h_kv, S, D),
 // mask (B or 1, 1, N, S) -> softmax(scores * scale, masked) @ v, (B, h_kv, G * N, D).
@@ -289,6 +288,41 @@ mx::array softmax_values(const mx::array& scores, const mx::array& v, float scal
     mx::Shape shape = {scores.shape(0), scores.shape(1), scores.shape(2), v.shape(3)};
     return mx::array(shape, mx::float32, std::make_shared<SoftmaxValues>(s, scale, n, mask.has_value()),
                      std::move(ins));
+}
+
+// The layout and rotation below through pointers and strides (elements): x (B * N or T, (h + 2 h_kv) * D) with
+// strides xs, cos and sin (B, N, 1, D / 2) with strides of dims 0, 1 and 3, spread (B, N) or null -> q (B, h, N, D),
+// k and v (B, h_kv, N, D), contiguous. Also what a fused primitive of another extension runs (kernel_tables.h).
+static void heads_rope_at(const float* xp, const int64_t* xs, const float* cp, const int64_t* cs, const float* sp,
+                          const int64_t* ss, const int32_t* spread, const int64_t* ps, float* q, float* k, float* v,
+                          int B, int N, int half, int h, int hkv) {
+    const int D = 2 * half;
+    const int64_t xs0 = xs[0], xs1 = xs[1], cs0 = cs[0], cs1 = cs[1], cs3 = cs[2], ss0 = ss[0], ss1 = ss[1],
+                  ss3 = ss[2], ps0 = ps[0], ps1 = ps[1];
+    for (int b = 0; b < B; ++b)
+        for (int n = 0; n < N; ++n) {
+            const int64_t t = spread ? (int64_t)spread[b * ps0 + n * ps1] : (int64_t)b * N + n;
+            const float* row = xp + t * xs0;
+            const float* cr = cp + b * cs0 + n * cs1;
+            const float* sr = sp + b * ss0 + n * ss1;
+            for (int j = 0; j < h + 2 * hkv; ++j) {
+                const float* src = row + (int64_t)j * D * xs1;
+                float* dst = j < h ? q + (((int64_t)b * h + j) * N + n) * D
+                             : j < h + hkv ? k + (((int64_t)b * hkv + j - h) * N + n) * D
+                                           : v + (((int64_t)b * hkv + j - h - hkv) * N + n) * D;
+                if (j >= h + hkv) {
+                    for (int i = 0; i < D; ++i) dst[i] = src[i * xs1];
+                    continue;
+                }
+                for (int i = 0; i < half; ++i) {
+                    const float x1 = src[i * xs1], x2 = src[(i + half) * xs1];
+                    const float ci = cr[i * cs3], si = sr[i * ss3];
+                    const float a = x1 * ci, bb = x2 * si, e = x2 * ci, f = x1 * si;
+                    dst[i] = a - bb;
+                    dst[i + half] = e + f;
+                }
+            }
+        }
 }
 
 // One layer's q, k and v from its fused product, laid out for attention: qkv (B * N, (h + 2 h_kv) * D) -> q
@@ -325,39 +359,13 @@ class HeadsRope : public mx::Primitive {
 
     static void run(const std::vector<mx::array>& ins, float* q, float* k, float* v, int h, int hkv) {
         const auto &x = ins[0], &c = ins[1], &sn = ins[2];
-        const int B = c.shape(0), N = c.shape(1), half = c.shape(3), D = 2 * half;
         const int32_t* spread = ins.size() > 3 ? ins[3].data<int32_t>() : nullptr;
-        const int64_t ps0 = spread ? ins[3].strides()[0] : 0, ps1 = spread ? ins[3].strides()[1] : 0;
-        const float* xp = x.data<float>();
-        const float* cp = c.data<float>();
-        const float* sp = sn.data<float>();
-        const int64_t xs0 = x.strides()[0], xs1 = x.strides()[1];
-        const int64_t cs0 = c.strides()[0], cs1 = c.strides()[1], cs3 = c.strides()[3];
-        const int64_t ss0 = sn.strides()[0], ss1 = sn.strides()[1], ss3 = sn.strides()[3];
-        for (int b = 0; b < B; ++b)
-            for (int n = 0; n < N; ++n) {
-                const int64_t t = spread ? (int64_t)spread[b * ps0 + n * ps1] : (int64_t)b * N + n;
-                const float* row = xp + t * xs0;
-                const float* cr = cp + b * cs0 + n * cs1;
-                const float* sr = sp + b * ss0 + n * ss1;
-                for (int j = 0; j < h + 2 * hkv; ++j) {
-                    const float* src = row + (int64_t)j * D * xs1;
-                    float* dst = j < h ? q + (((int64_t)b * h + j) * N + n) * D
-                                 : j < h + hkv ? k + (((int64_t)b * hkv + j - h) * N + n) * D
-                                               : v + (((int64_t)b * hkv + j - h - hkv) * N + n) * D;
-                    if (j >= h + hkv) {
-                        for (int i = 0; i < D; ++i) dst[i] = src[i * xs1];
-                        continue;
-                    }
-                    for (int i = 0; i < half; ++i) {
-                        const float x1 = src[i * xs1], x2 = src[(i + half) * xs1];
-                        const float ci = cr[i * cs3], si = sr[i * ss3];
-                        const float a = x1 * ci, bb = x2 * si, e = x2 * ci, f = x1 * si;
-                        dst[i] = a - bb;
-                        dst[i + half] = e + f;
-                    }
-                }
-            }
+        const int64_t xs[2] = {x.strides()[0], x.strides()[1]};
+        const int64_t cs[3] = {c.strides()[0], c.strides()[1], c.strides()[3]};
+        const int64_t ss[3] = {sn.strides()[0], sn.strides()[1], sn.strides()[3]};
+        const int64_t ps[2] = {spread ? ins[3].strides()[0] : 0, spread ? ins[3].strides()[1] : 0};
+        heads_rope_at(x.data<float>(), xs, c.data<float>(), cs, sn.data<float>(), ss, spread, ps, q, k, v,
+                      c.shape(0), c.shape(1), c.shape(3), h, hkv);
     }
 };
 
@@ -378,6 +386,8 @@ std::vector<mx::array> heads_rope(const mx::array& qkv, const mx::array& cos, co
                                   {mx::float32, mx::float32, mx::float32}, std::make_shared<HeadsRope>(s, h, hkv),
                                   std::move(ins));
 }
+
+const AttentionKernels kernels_ = {2, softmax_values_at, heads_rope_at};
 
 }  // namespace
 

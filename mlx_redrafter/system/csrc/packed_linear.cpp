@@ -26,6 +26,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -729,6 +730,16 @@ class LayerAfter : public mx::Primitive {
     bool masked_;
 };
 
+// An evaluated float32 vector's entries one after another: its own memory, or a copy in `keep`.
+static const float* entries_of(const mx::array& a, std::vector<float>& keep) {
+    const float* p = a.data<float>();
+    const int64_t step = a.strides()[0];
+    if (step == 1) return p;
+    keep.resize(a.size());
+    for (size_t i = 0; i < a.size(); ++i) keep[i] = p[i * step];
+    return keep.data();
+}
+
 // An evaluated float32 array of 4 dims as (pointer, strides of dims 0-2): its own memory where its last dim is
 // contiguous and dim 2's rows lie a row apart (with `whole`, dim 1's too), else a compact copy in `keep`.
 static const float* rows4(const mx::array& a, bool whole, std::vector<float>& keep, int64_t* st) {
@@ -761,12 +772,7 @@ void LayerAfter::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
         const float* qp = rows4(q, true, qc, qs);  // a KV head's G * N rows of D, one after another
         const float* kp = rows4(keys, false, kc, ks);
         const float* vp = rows4(values, false, vc, vs);
-        const float* norm = ins[7].data<float>();
-        if (ins[7].strides()[0] != 1) {
-            nc.resize(H);
-            for (int i = 0; i < H; ++i) nc[i] = norm[i * ins[7].strides()[0]];
-            norm = nc.data();
-        }
+        const float* norm = entries_of(ins[7], nc);
         // scores (B, h_kv, G * N, S) = q.k per KV head, as MLX's matmul calls cblas_sgemm for q @ k^T
         for (int b = 0; b < B; ++b)
             for (int g = 0; g < hkv; ++g)
@@ -816,20 +822,100 @@ void LayerAfter::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     });
 }
 
-// Whether LayerAfter can run: the other extensions' kernels handed over and a cblas_sgemm found.
-static bool layer_after_ready() { return attention_ && vector_math_ && sgemm_; }
+// Whether LayerBefore and LayerAfter can run: the other extensions' kernels handed over and a cblas_sgemm found.
+static bool fused_ready() { return attention_ && vector_math_ && sgemm_; }
 
-// Take the attention and vector-math kernels' tables (their `kernels()` capsules); returns whether LayerAfter can
-// now run.
+// Take the attention and vector-math kernels' tables (their `kernels()` capsules); returns whether LayerBefore and
+// LayerAfter can now run.
 static bool set_kernels(nb::capsule attention, nb::capsule vector_math) {
     if (std::string(attention.name()) != ATTENTION_KERNELS || std::string(vector_math.name()) != VECTOR_MATH_KERNELS)
         throw std::invalid_argument("set_kernels: the attention and vector-math kernels' capsules");
     auto a = static_cast<const AttentionKernels*>(attention.data());
     auto v = static_cast<const VectorMathKernels*>(vector_math.data());
-    attention_ = a->version == 1 ? a : nullptr;
+    attention_ = a->version == 2 ? a : nullptr;
     vector_math_ = v->version == 1 ? v : nullptr;
     sgemm_ = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
-    return layer_after_ready();
+    return fused_ready();
+}
+
+// A decoder layer's work before the cache write: the input norm, the q/k/v product, and q, k and v laid out and
+// rotated (the attention kernel's `heads_rope`), in one graph node where MLX's graph took three; the same calls in
+// the same order as those nodes, so the same bits.
+class LayerBefore : public mx::Primitive {
+   public:
+    LayerBefore(mx::Stream s, int h, int hkv, float eps, int bits, int group)
+        : mx::Primitive(s), h_(h), hkv_(hkv), eps_(eps), bits_(bits), group_(group) {}
+
+    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("layer_before runs on the CPU only");
+    }
+    const char* name() const override { return "LayerBefore"; }
+    bool is_equivalent(const mx::Primitive& other) const override {
+        auto& o = static_cast<const LayerBefore&>(other);
+        return h_ == o.h_ && hkv_ == o.hkv_ && eps_ == o.eps_ && bits_ == o.bits_ && group_ == o.group_;
+    }
+
+   private:
+    int h_, hkv_;
+    float eps_;
+    int bits_, group_;
+};
+
+void LayerBefore::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) enc.set_output_array(o);
+    enc.dispatch([ins = inputs, q = mx::array::unsafe_weak_copy(outputs[0]),
+                  k = mx::array::unsafe_weak_copy(outputs[1]), v = mx::array::unsafe_weak_copy(outputs[2]), h = h_,
+                  hkv = hkv_, eps = eps_, kind = bits_, group = group_, threads = threads_, rows = rows_fn_,
+                  att = attention_, vm = vector_math_]() mutable {
+        const auto &x = ins[0], &c = ins[5], &sn = ins[6];
+        const int T = x.shape(0), H = x.shape(1), B = c.shape(0), N = c.shape(1), half = c.shape(3);
+        const int width = (h + 2 * hkv) * 2 * half;
+        std::vector<float> xc, nc, normed((size_t)T * H), qkv((size_t)T * width);
+        int64_t ldx;
+        const float* xp = rows_of(x.data<float>(), x, xc, ldx);
+        if (ldx != H) {  // the norm reads rows one after another
+            xc.resize((size_t)T * H);
+            for (int t = 0; t < T; ++t) std::memmove(xc.data() + (size_t)t * H, xp + t * ldx, sizeof(float) * H);
+            xp = xc.data();
+        }
+        const float* norm = entries_of(ins[1], nc);
+        vm->rms_rows(xp, norm, 0, T, H, (float)(1.0 / (double)H), eps, normed.data());
+        const Quantized w(ins[2], ins[3], ins[4]);
+        product(w, width, kind, group, normed.data(), H, T, H, qkv.data(), threads, rows);
+        const int64_t xs[2] = {width, 1}, cs[3] = {c.strides()[0], c.strides()[1], c.strides()[3]},
+                      ss[3] = {sn.strides()[0], sn.strides()[1], sn.strides()[3]}, ps[2] = {0, 0};
+        att->heads_rope(qkv.data(), xs, c.data<float>(), cs, sn.data<float>(), ss, nullptr, ps, q.data<float>(),
+                        k.data<float>(), v.data<float>(), B, N, half, h, hkv);
+    });
+}
+
+// x (B * N, H) float32, the input norm's weight (H), the q/k/v product's weights as `quantized_linear` takes them,
+// cos and sin (B, N, 1, D / 2) -> q (B, h, N, D), k and v (B, h_kv, N, D), as `heads_rope` lays them out.
+std::vector<mx::array> layer_before(const mx::array& x, const mx::array& norm, const mx::array& w,
+                                    const mx::array& scales, const mx::array& biases, const mx::array& cos,
+                                    const mx::array& sin, int h, int hkv, int bits, int group_size, float eps) {
+    if (!fused_ready()) throw std::runtime_error("layer_before: set_kernels has not handed over the kernels");
+    if ((bits != 4 && bits != 8) || group_size < 16 || group_size % 16 != 0)
+        throw std::invalid_argument("layer_before: bits 4 or 8, group_size a multiple of 16");
+    for (auto* a : {&x, &norm, &scales, &biases, &cos, &sin})
+        if (a->dtype() != mx::float32) throw std::invalid_argument("layer_before: float32 activations, scales and biases");
+    if (x.ndim() != 2 || cos.ndim() != 4 || cos.shape() != sin.shape() || cos.shape(2) != 1 || h < 1 || hkv < 1 ||
+        x.shape(0) != cos.shape(0) * cos.shape(1) || norm.shape() != mx::Shape{x.shape(1)} ||
+        w.dtype() != mx::uint32 || w.ndim() != 2 || w.shape(0) != (h + 2 * hkv) * 2 * cos.shape(3) ||
+        (int64_t)w.shape(1) * 32 / bits != x.shape(1) || x.shape(1) % group_size != 0 ||
+        scales.shape() != mx::Shape{w.shape(0), x.shape(1) / group_size} || biases.shape() != scales.shape())
+        throw std::invalid_argument("layer_before: x (B * N, H), norm (H), q/k/v weights ((h + 2 h_kv) * D, H * "
+                                    "bits / 32), cos and sin (B, N, 1, D / 2)");
+    const int B = cos.shape(0), N = cos.shape(1), D = 2 * cos.shape(3);
+    auto s = mx::default_stream(mx::Device::cpu);
+    return mx::array::make_arrays({{B, h, N, D}, {B, hkv, N, D}, {B, hkv, N, D}},
+                                  {mx::float32, mx::float32, mx::float32},
+                                  std::make_shared<LayerBefore>(s, h, hkv, eps, bits, group_size),
+                                  {x, norm, w, scales, biases, cos, sin});
 }
 
 // x (T, H) float32, q (B, h, N, D) as `heads_rope` lays it out (T = B * N), the cache's keys and values (B, h_kv,
@@ -841,7 +927,7 @@ mx::array layer_after(const mx::array& x, const mx::array& q, const mx::array& k
                       const mx::array& o_b, const mx::array& norm, const mx::array& gu_w, const mx::array& gu_s,
                       const mx::array& gu_b, const mx::array& down_w, const mx::array& down_s,
                       const mx::array& down_b, int bits, int group_size, float scale, float eps) {
-    if (!layer_after_ready()) throw std::runtime_error("layer_after: set_kernels has not handed over the kernels");
+    if (!fused_ready()) throw std::runtime_error("layer_after: set_kernels has not handed over the kernels");
     if ((bits != 4 && bits != 8) || group_size < 16 || group_size % 16 != 0)
         throw std::invalid_argument("layer_after: bits 4 or 8, group_size a multiple of 16");
     for (auto* a : {&x, &q, &keys, &values, &o_s, &o_b, &norm, &gu_s, &gu_b, &down_s, &down_b})
@@ -1004,8 +1090,11 @@ NB_MODULE(_packed_linear, m) {
           nb::arg("visible"), nb::arg("mask").none(), nb::arg("o_w"), nb::arg("o_s"), nb::arg("o_b"), nb::arg("norm"),
           nb::arg("gu_w"), nb::arg("gu_s"), nb::arg("gu_b"), nb::arg("down_w"), nb::arg("down_s"), nb::arg("down_b"),
           nb::arg("bits"), nb::arg("group_size"), nb::arg("scale"), nb::arg("eps"));
+    m.def("layer_before", &layer_before, nb::arg("x"), nb::arg("norm"), nb::arg("w"), nb::arg("scales"),
+          nb::arg("biases"), nb::arg("cos"), nb::arg("sin"), nb::arg("h"), nb::arg("hkv"), nb::arg("bits"),
+          nb::arg("group_size"), nb::arg("eps"));
     m.def("set_kernels", &set_kernels, nb::arg("attention"), nb::arg("vector_math"));
-    m.def("layer_after_ready", &layer_after_ready);
+    m.def("fused_ready", &fused_ready);
     m.def("set_threads", [](int n) { threads_ = std::max(1, n); }, nb::arg("n"));
     m.def("set_isa", &set_isa, nb::arg("want") = "best");
     m.def("version", []() { return 1; });

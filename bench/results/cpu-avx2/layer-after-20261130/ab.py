@@ -17,14 +17,14 @@ rows = first_turns()
 ids = [api.encode_prompt(lm, rows[i]["prompt"]) for i in range(0, 80, 80 // per)][:per]
 ids += heldout_prompt_ids("data/corpus/smollm2-135m", per)
 for fuse in (False, True):
-    layers.fuse_after = fuse
+    layers.fuse = fuse
     decode(lm, ids[0], DecodeOptions(draft="auto", max_tokens=16))
 T, toks, calls = {}, {}, {}
 for rnd in range(rounds):
     for i, x in enumerate(ids):
         for draft in ("auto", "none"):
             for fuse in ((False, True) if (i + rnd) % 2 == 0 else (True, False)):
-                layers.fuse_after = fuse
+                layers.fuse = fuse
                 out, st = decode(lm, x, DecodeOptions(draft=draft, max_tokens=128))
                 key = (draft, fuse)
                 T[key] = T.get(key, 0) + st.decode_s

@@ -13,7 +13,7 @@ for N in (1, 4):
     res = {True: [], False: []}; build = {True: [], False: []}
     for it in range(80):
         for fuse in ((True, False) if it % 2 else (False, True)):
-            model.compiled.fuse_after = fuse
+            model.compiled.fuse = fuse
             t0 = time.perf_counter(); o = model(mx.array([[5] * N]), c); t1 = time.perf_counter(); mx.eval(o)
             res[fuse].append(time.perf_counter() - t0); build[fuse].append(t1 - t0)
     for f in (False, True):
