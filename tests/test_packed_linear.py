@@ -312,3 +312,30 @@ def test_a_layer_is_two_nodes_around_the_cache_write_with_the_bits_of_the_separa
         assert nodes.count("LayerBefore") == nodes.count("LayerAfter") == layers
         assert "SoftmaxValues" not in nodes and "HeadsRope" not in nodes and "PackedLinear" in nodes  # (logits)
         assert len(nodes) <= 5 * layers + 12, len(nodes)
+
+
+def test_the_fused_layer_nodes_stand_aside_without_the_kernels_they_run_beside(packed_target, chat_ids):
+    """`layer_before` and `layer_after` run the attention and vector-math kernels' code: without either (switched
+    off, not built, or built before they handed their kernels over) `connect` says why and a step runs the separate
+    nodes, with the same bits."""
+    from mlx_redrafter.system import attention_kernel, vector_math
+
+    if not packed_linear.fused_layers_ready():
+        pytest.skip("layer_before and layer_after need the attention and vector-math kernels beside this one")
+    model = packed_target.model
+    step = mx.array([chat_ids[0][:3]])
+
+    def forward() -> list:
+        cache = model.make_cache(16)
+        return [*model(step, cache)]
+
+    fused = forward()
+    try:
+        assert "not active" in packed_linear.connect(None, vector_math.KERNEL.module)
+        assert not packed_linear.fused_layers_ready()
+        assert all(mx.array_equal(a, b).item() for a, b in zip(forward(), fused))
+    finally:
+        assert packed_linear.connect(attention_kernel.KERNEL.module, vector_math.KERNEL.module) == ""
+    assert packed_linear.fused_layers_ready()
+    with without(attention_kernel.KERNEL):
+        assert not packed_linear.fused_layers_ready()
