@@ -90,21 +90,21 @@ def dequantize(weight, scales, biases, bits: int, group_size: int):
     return kernel.dequantize(weight, scales, biases, bits, group_size)
 
 
-def connect(attention, vector_math) -> str:
-    """Hand the kernel the attention and vector-math kernels' tables (the loaded extensions `attention` and
-    `vector_math`), which `layer_before` and `layer_after` run beside its products, and check those against the
+def connect(attention_ext, vector_math_ext) -> str:
+    """Hand the kernel the attention and vector-math kernels' tables (the loaded extensions `attention_ext` and
+    `vector_math_ext`), which `layer_before` and `layer_after` run beside its products, and check those against the
     separate nodes; returns why they are not available ('' when they are)."""
     global _connected
     kernel = KERNEL.module
     _connected = False
     if kernel is None or not hasattr(kernel, "layer_before"):
         return "the packed-weight kernel is not built with layer_before and layer_after"
-    if attention is None or vector_math is None or not (hasattr(attention, "kernels")
-                                                       and hasattr(vector_math, "kernels")):
+    if attention_ext is None or vector_math_ext is None or not (hasattr(attention_ext, "kernels")
+                                                               and hasattr(vector_math_ext, "kernels")):
         return "the attention or vector-math kernels are not active (or were built before they handed kernels over)"
-    if not kernel.set_kernels(attention.kernels(), vector_math.kernels()):
+    if not kernel.set_kernels(attention_ext.kernels(), vector_math_ext.kernels()):
         return "the attention kernel was built before it handed heads_rope over, or no cblas_sgemm to call"
-    bad = _fused_layers_check(attention, vector_math)
+    bad = _fused_layers_check(attention_ext, vector_math_ext)
     _connected = not bad
     return f"the fused layer nodes disagree with the separate nodes ({bad})" if bad else ""
 
@@ -138,7 +138,7 @@ def layer_after(x, q, keys, values, visible: int, mask, o, norm, gate_up, down, 
                                      scale, eps)
 
 
-def _fused_layers_check(attention, vector_math) -> str:
+def _fused_layers_check(attention_ext, vector_math_ext) -> str:
     """`layer_before` and `layer_after` of one token and of three (with a mask), against the separate nodes they
     stand for; '' when they agree bit for bit."""
     import mlx.core as mx
@@ -158,18 +158,19 @@ def _fused_layers_check(attention, vector_math) -> str:
         angles = mx.random.uniform(shape=(1, n, 1, D // 2), key=next(keys)) * 6
         cos, sin = mx.cos(angles), mx.sin(angles)
         got = layer_before(x, norm1, qkv, cos, sin, h, hkv, 4, 32, 1e-5)
-        ref = attention.heads_rope(quantized_product(vector_math.rms_norm(x, norm1, 1e-5), *qkv, 4, 32), cos, sin,
-                                   h, hkv)
+        normed = vector_math_ext.rms_norm(x, norm1, 1e-5)
+        ref = attention_ext.heads_rope(quantized_product(normed, *qkv, 4, 32), cos, sin, h, hkv)
         if not all(mx.array_equal(a, b).item() for a, b in zip(got, ref)):
             return f"layer_before, {n} token(s)"
         q = got[0]
         mask = (mx.random.uniform(shape=(1, 1, n, S), key=next(keys)) > 0.3) | (mx.arange(S) == 0) if masked else None
         got = layer_after(x, q, cache_k, cache_v, S, mask, o, norm2, gate_up, down, 4, 32, 0.25, 1e-5)
         scores = q.reshape(1, hkv, h // hkv * n, D) @ cache_k[:, :, :S].swapaxes(-1, -2)
-        out = attention.softmax_values(scores, cache_v[:, :, :S], 0.25, n, mask).reshape(1, h, n, D)
+        out = attention_ext.softmax_values(scores, cache_v[:, :, :S], 0.25, n, mask).reshape(1, h, n, D)
         rows = out.reshape(1, h * D) if n == 1 else out.transpose(0, 2, 1, 3).reshape(n, h * D)
         h1 = x + quantized_product(rows, *o, 4, 32)
-        gated = vector_math.silu_mul_halves(quantized_product(vector_math.rms_norm(h1, norm2, 1e-5), *gate_up, 4, 32))
+        normed = vector_math_ext.rms_norm(h1, norm2, 1e-5)
+        gated = vector_math_ext.silu_mul_halves(quantized_product(normed, *gate_up, 4, 32))
         ref = h1 + quantized_product(gated, *down, 4, 32)
         if not mx.array_equal(got, ref).item():
             return f"layer_after, {n} token(s): max difference {mx.abs(got - ref).max().item():.2e}"
