@@ -3,7 +3,8 @@
 # Without a tuned entry (`redrafter-mlx tune`): the best cell measured in bench/results/cpu-avx2 (W1 L3, see README;
 # bench-20261125-224306 swept L 3-6 for the default mode and the drafter alone: L3 first in both; with the round-7
 # drafter L3 1.34x our AR, L4 1.29x, L5 1.17x: default-shape-20261130/; after the graph-node cuts made a plain
-# step cheaper, L2 1.242x, L3 1.229x, L4 1.142x, L2 and L3 within noise: graph-nodes-20261130/length_ab.txt).
+# step cheaper, L2 1.242x, L3 1.229x, L4 1.142x, L2 and L3 within noise: graph-nodes-20261130/length_ab.txt;
+# after the two-node layers, L2 1.177x, L3 1.146x: layer-after-20261130/length_ab.txt, L3 kept, see there).
 DEFAULT_BEAM_WIDTH = 1
 DEFAULT_BEAM_LENGTH = 3
 DEFAULT_LOOKUP_WIDTH = 1
