@@ -7,7 +7,9 @@ and MLX's own float16 and quantized products there are several times slower than
 ran float32 copies (538 MB a target call for the embedded 4-bit model). With this kernel a float32 target keeps its
 quantized weights beside the float32 copies (`models.packed`), and a drafter float16 copies of the weights float16
 holds exactly (`draft.half_weights`); steps of up to `MAX_ROWS` rows read those. The same extension dequantizes a
-model's 4- and 8-bit weights at load time (`dequantize`: mx.dequantize's bits, on every thread). Built against the
+model's 4- and 8-bit weights at load time (`dequantize`: mx.dequantize's bits, on every thread), and runs a decoder
+layer of such a step as two nodes around the cache write (`layer_before`, `layer_after`: the same bits as the ~21
+separate nodes, with the attention and vector-math kernels' code, `connect`). Built against the
 installed MLX by `make setup` (`python -m mlx_redrafter.system.packed_linear`); where it is not built, does not load
 or fails its self-check, the float32 copies serve, as before (one line on stderr says so where it was expected).
 Switch: REDRAFTER_PACKED_WEIGHTS=auto (default) | off.

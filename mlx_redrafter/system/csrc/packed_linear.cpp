@@ -12,6 +12,10 @@
 //
 // Rows whose entries are contiguous are read in place whatever their stride (e.g. the first rows of a larger
 // matrix); any other layout is copied first.
+//
+// The same products serve two more primitives, a decoder layer's work on either side of the cache write
+// (`LayerBefore`, `LayerAfter`), which also run the attention and vector-math kernels' code (handed over by address,
+// kernel_tables.h): each layer of a decoding step is two graph nodes instead of ~21, each node costing a dispatch.
 
 #include <algorithm>
 #include <cstdint>
