@@ -602,6 +602,17 @@ static void product(const Quantized& q, int N, int kind, int group, const float*
     in_row_shares(threads, N, K, run);
 }
 
+// A CPU primitive's outputs allocated and its arrays registered with its stream's encoder, which is returned for
+// the dispatch (every primitive of this file).
+static mx::cpu::CommandEncoder& encoder_for(mx::Stream s, const std::vector<mx::array>& inputs,
+                                            std::vector<mx::array>& outputs) {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(s);
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) enc.set_output_array(o);
+    return enc;
+}
+
 class PackedLinear : public mx::Primitive {
    public:
     PackedLinear(mx::Stream s, int kind, int group, bool bias)
@@ -624,10 +635,7 @@ class PackedLinear : public mx::Primitive {
 
 void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, outputs);
     enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), kind = kind_, group = group_, bias = bias_,
                   threads = threads_, rows = rows_fn_]() mutable {
         const auto& x = ins[0];
@@ -757,10 +765,7 @@ static const float* rows4(const mx::array& a, bool whole, std::vector<float>& ke
 
 void LayerAfter::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, outputs);
     enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), hkv = hkv_, S = visible_, scale = scale_,
                   eps = eps_, kind = bits_, group = group_, masked = masked_, threads = threads_, rows = rows_fn_,
                   att = attention_, vm = vector_math_, sgemm = sgemm_]() mutable {
@@ -867,10 +872,7 @@ class LayerBefore : public mx::Primitive {
 };
 
 void LayerBefore::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    for (auto& o : outputs) enc.set_output_array(o);
+    auto& enc = encoder_for(stream(), inputs, outputs);
     enc.dispatch([ins = inputs, q = mx::array::unsafe_weak_copy(outputs[0]),
                   k = mx::array::unsafe_weak_copy(outputs[1]), v = mx::array::unsafe_weak_copy(outputs[2]), h = h_,
                   hkv = hkv_, eps = eps_, kind = bits_, group = group_, threads = threads_, rows = rows_fn_,
@@ -1033,10 +1035,7 @@ class Dequantize : public mx::Primitive {
 
 void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, outputs);
     enc.dispatch([ins = inputs, out = mx::array::unsafe_weak_copy(out), bits = bits_, group = group_,
                   threads = threads_, isa = isa_]() mutable {
         const auto& w = ins[0];
