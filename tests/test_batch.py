@@ -341,6 +341,30 @@ def test_the_budget_prices_speculative_steps_by_what_they_cost_beside_plain_ones
         assert sum(n > 1 for n in late) <= 8
 
 
+def test_a_budget_priced_by_the_curve_alone_chooses_the_same_steps_whatever_they_took(monkeypatch):
+    """No model needed. REDRAFTER_STEP_COSTS=curve: the choices depend on what the rows accepted, not on the steps'
+    times (two runs, one with every step timed alike and one with wild times, choose alike); rows whose drafts are
+    accepted draft from the first step (no plain reference step) and the full length from the next, rows whose
+    drafts are rejected     back off to plain steps but for probes that try drafting again. Another value is a one-
+    line UserError."""
+    from mlx_redrafter.errors import UserError
+
+    monkeypatch.setenv("REDRAFTER_STEP_COSTS", "curve")
+    curve = CostCurve({b: [1.0 + 0.1 * p for p in range(8)] for b in (1, 2, 4, 8)})
+    for accepting in (True, False):
+        runs = [budget_choices(curve, accepted=lambda n, k, a=accepting: n - 1 if a else 0, seconds=seconds,
+                               steps=120)
+                for seconds in (lambda n, step: 1.0, lambda n, step: 40.0 * n if step % 7 else 0.01)]
+        assert runs[0] == runs[1]
+        if accepting:
+            assert runs[0][0] > 1 and all(n == 4 for n in runs[0][1:])
+        else:
+            assert runs[0][0] > 1 and sum(n > 1 for n in runs[0][20:]) <= 6
+    monkeypatch.setenv("REDRAFTER_STEP_COSTS", "timed")
+    with pytest.raises(UserError, match="REDRAFTER_STEP_COSTS='timed' is not a known value; use one of: auto, "):
+        Budget(4, curve)
+
+
 def test_the_budget_prices_each_step_by_what_the_rows_draft_from():
     """No model needed. Rows alternate between stretches where they copy from their context (every draft
     accepted) and stretches where only the drafter drafts (every draft rejected); a drafted token costs a fifth of

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_redrafter.environment import switch
 from mlx_redrafter.files import read_json, write_atomic
 
 
@@ -160,17 +161,21 @@ class Budget:
     else, such as the cache growing, must not keep the batch from speculating until the next probes wash it out),
     and `plain[rows]` what a plain step costs now (every step updates it, a speculative one through its ratio).
     Neighbouring steps see the same contexts, so a ratio stays valid as the contexts grow, where an absolute time
-    measured many steps ago would not; drafting, packing and acceptance, which the curve does not hold, are in it.
-    A step size without a measured ratio takes the curve's ratio to the nearest measured one. The first step at a
-    batch size is plain (the reference). A step tries the other kind of step (every drafting row at 2 tokens while
-    backed off, a plain step otherwise) when there has been none for a while, so the acceptance and the costs stay
-    current: `probe` steps at first, twice as long after each probe (at most `max_probe`), back to `probe` when the
-    choice changes while the rows draft from the same kinds (a change of mind, not of situation).
+    measured many steps ago would not; drafting, packing and acceptance, which the curve does not hold, are in it. A
+    step size without a measured ratio takes the curve's ratio to the nearest measured one. The first step at a
+    batch size is plain (the reference). With `measured` false (REDRAFTER_STEP_COSTS=curve) steps are priced by the
+    curve alone: the choices then depend only on what the rows accepted, so the same requests take the same steps
+    however busy the machine is, at the price of not seeing what the curve does not hold. A step tries the other
+    kind of step (every drafting row at 2 tokens while backed off, a plain step otherwise) when there has been none
+    for a while, so the acceptance and the costs stay current: `probe` steps at first, twice as long after each
+    probe (at most `max_probe`), back to `probe` when the choice changes while the rows draft from the same kinds (a
+    change of mind, not of situation).
     """
 
     def __init__(self, length: int, curve: CostCurve | None = None, decay: float = 0.8, prior: float = 0.5,
-                 probe: int = 12, max_probe: int = 96, acceptance_decay: float = 0.95):
+                 probe: int = 12, max_probe: int = 96, acceptance_decay: float = 0.95, measured: bool | None = None):
         self.length, self.curve, self.decay, self.prior = length, curve, decay, prior
+        self.measured = measures_steps() if measured is None else measured
         self.acceptance_decay = acceptance_decay
         self.probe, self.max_probe = probe, max_probe
         self.alpha: dict[str, float] = {}  # kind of draft -> acceptance, over every row
@@ -214,7 +219,9 @@ class Budget:
 
     def cost(self, rows: int, tokens: int) -> float:
         """Expected seconds of a step of `rows` rows verifying `tokens` tokens in all (plain steps of this many rows
-        must have been measured)."""
+        must have been measured, unless priced by the curve alone)."""
+        if not self.measured:
+            return self.curve.cost(rows, max(tokens, rows) / rows)
         base = self.plain[rows]
         if tokens <= rows:
             return base
@@ -252,7 +259,7 @@ class Budget:
             return plain
         if self.curve is None:
             return [min(self.length, c) if k is not None else 1 for c, k in zip(self.step_caps, kinds)]
-        if rows not in self.plain:
+        if self.measured and rows not in self.plain:
             return plain  # the reference: plain steps at this batch size, measured first
         best = self._best(kinds)
         speculative = max(best) > 1
@@ -260,7 +267,9 @@ class Budget:
             self.interval = self.probe
         self.speculating, self.situation = speculative, list(kinds)
         since = self.steps - (self.last_plain if speculative else self.last_speculative)
-        if since >= self.interval:  # try the other kind now and then, so the measurements stay current
+        # try the other kind now and then, so the measurements stay current (by the curve alone, only the acceptance
+        # of drafts can change: a plain step would tell nothing)
+        if since >= self.interval and (self.measured or not speculative):
             self.interval = min(2 * self.interval, self.max_probe)
             return plain if speculative else [min(2, c) if k is not None else 1 for c, k in zip(self.step_caps, kinds)]
         return best
@@ -304,7 +313,7 @@ class Budget:
                 self.alpha[kind] = keep * self.acceptance(kind) + (1 - keep) * a / trials
         rows = len(lengths)
         tokens = sum(min(n, c) if k is not None else 1 for n, c, k in zip(lengths, self.step_caps, self.kinds))
-        if seconds is None or self.curve is None or not rows or seconds <= 0:
+        if seconds is None or self.curve is None or not self.measured or not rows or seconds <= 0:
             return
         before, self.previous = self.previous, (rows, tokens, seconds)
         if before is not None and before[0] == rows and (before[1] == rows) != (tokens == rows):
@@ -318,6 +327,15 @@ class Budget:
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
+
+
+STEP_COSTS = ("auto", "measured", "curve")
+
+
+def measures_steps() -> bool:
+    """Whether batched steps are priced by this run's timings as well as the cost curve (REDRAFTER_STEP_COSTS=
+    measured, the default) or by the curve alone (=curve: reproducible step choices); UserError for another value."""
+    return switch("REDRAFTER_STEP_COSTS", STEP_COSTS) != "curve"
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
