@@ -21,7 +21,6 @@ from mlx_redrafter.cache import KVCache
 from mlx_redrafter.constraint import Constraint
 from mlx_redrafter.draft import modes
 from mlx_redrafter.draft.base import Allocator
-from mlx_redrafter.draft.half_weights import use_half_weights
 from mlx_redrafter.draft.kinds import AnyDrafter, check_drafter_files, draft_kind, load_any_drafter
 from mlx_redrafter.draft.modes import Mode
 from mlx_redrafter.draft.redrafter import (
@@ -31,6 +30,7 @@ from mlx_redrafter.draft.redrafter import (
     random_drafter,
     read_features,
 )
+from mlx_redrafter.draft.weight_copies import use_weight_copies
 from mlx_redrafter.drafter_spec import DrafterSpec, parse_drafter_spec  # noqa: F401 (re-exported)
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.generate import Record, Stats, generate_ar, generate_speculative
@@ -121,7 +121,7 @@ def _load_drafter(spec: str | None, target: Target) -> tuple[AnyDrafter | None, 
                   f"(a float32 target on a CPU backend, where quantized matmuls are slow)")
         drafter = dequantize_drafter(drafter)
     if isinstance(drafter, Drafter) and act == mx.float32:
-        use_half_weights(drafter)  # on a CPU with our kernel: the drafts of these weights, read at half the bytes
+        use_weight_copies(drafter)  # on a CPU with our kernel: drafting reads 8-bit (or float16) copies
     return drafter, name
 
 

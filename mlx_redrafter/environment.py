@@ -17,6 +17,25 @@ def switch(var: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+# Switches read where they act, named here with their values so that `check_named` can check them all before
+# anything loads (the command line's and the benchmarks' first step: a bad value is an error even for --help).
+NAMED = {
+    "REDRAFTER_STEP_COSTS": ("auto", "measured", "curve"),  # batch/budget.py
+    "REDRAFTER_DRAFT_WEIGHTS": ("auto", "int8", "float16", "float32"),  # draft/weight_copies.py
+}
+
+
+def named(var: str) -> str:
+    """The value of the named switch `var` (`NAMED`): `switch(var, NAMED[var])`."""
+    return switch(var, NAMED[var])
+
+
+def check_named() -> None:
+    """UserError for the first named switch set to an unknown value."""
+    for var in NAMED:
+        named(var)
+
+
 def number(var: str, default: float, minimum: float, integer: bool = False) -> float:
     """The number in `var` (`default` when unset or empty): finite, at least `minimum`, whole where `integer`."""
     raw = os.environ.get(var, "").strip()

@@ -84,7 +84,9 @@ def test_a_missing_kernel_is_one_warning_line_and_the_cli_still_runs(tmp_path, l
                                                  ("REDRAFTER_SMALL_GEMM", "offf", "auto, on"),
                                                  ("REDRAFTER_ATTENTION_KERNEL", "fast", "auto, off"),
                                                  ("REDRAFTER_PACKED_WEIGHTS", "packed", "auto, off"),
-                                                 ("REDRAFTER_VECTOR_MATH", "fast", "auto, off")])
+                                                 ("REDRAFTER_VECTOR_MATH", "fast", "auto, off"),
+                                                 ("REDRAFTER_STEP_COSTS", "timed", "auto, measured, curve"),
+                                                 ("REDRAFTER_DRAFT_WEIGHTS", "q8", "auto, int8, float16, float32")])
 def test_an_unknown_switch_value_is_one_error_line(tmp_path, var, value, allowed):
     for args in ([*CLI, "generate", "--help"], [*BENCH, "sweep", "--help"]):
         p = run(args, tmp_path, **{var: value}, PYTHONPATH=str(REPO))

@@ -1,7 +1,8 @@
 """Our packed-weight products (x86-64 Linux with AVX-512, or AVX2 + FMA + F16C): MLX's float32 product of the same
 weights from float16 and 4- and 8-bit quantized weights; the embedded target reading its 4-bit weights with the
-bits of its float32 copies; the shipped drafter drafting what its float32 weights draft; and packed weights that
-step aside when they no longer apply (the weights were replaced, the kernel is off)."""
+bits of its float32 copies; the shipped drafter drafting from 8-bit copies nearly and from float16 copies exactly
+what its float32 weights draft; and packed weights that step aside when they no longer apply (the weights were
+replaced, the kernel is off)."""
 
 import os
 
@@ -13,8 +14,8 @@ from kernels import require, without
 
 from mlx_redrafter import api
 from mlx_redrafter.draft.beam_search import greedy_steps
-from mlx_redrafter.draft.half_weights import linear, use_half_weights
 from mlx_redrafter.draft.redrafter import FrequentHead, load_drafter, random_drafter
+from mlx_redrafter.draft.weight_copies import linear, use_weight_copies
 from mlx_redrafter.models.loader import load_target
 from mlx_redrafter.shipped import shipped_drafter_path
 from mlx_redrafter.system import packed_linear
@@ -39,7 +40,7 @@ def kernel():
 
 @pytest.fixture(scope="module")
 def shipped(target):
-    """The shipped drafter as decoding loads it (float32, with float16 copies where the kernel is active)."""
+    """The shipped drafter as decoding loads it (float32, with 8-bit copies where the kernel is active)."""
     drafter, _ = api.resolve_drafter("default", target)
     yield drafter
     api.resolve_drafter("none", target)
@@ -97,21 +98,60 @@ def test_threads_share_the_rows_without_changing_a_bit(kernel):
     assert np.array_equal(one, two)
 
 
-def test_the_shipped_drafter_drafts_what_its_float32_weights_draft(kernel, shipped, target):
-    """Every linear layer of the shipped drafter (stored in float16) has a copy; drafts with and without them are
-    the same tokens, from logits equal to float rounding."""
-    layers = [m for _, m in shipped.named_modules() if type(m) is nn.Linear]
-    assert layers and all(getattr(m, "half", None) is not None and m.half.current() for m in layers)
+def _drafts(shipped, target, cases=((1, 5), (4, 4), (8, 3))):
+    """Greedy drafts of the shipped drafter from random states, with its copies and without them (the kernel off):
+    per case, [((tokens, logits) with, (tokens, logits) without) per drafted position]."""
     head, embed = FrequentHead(shipped, 8192), target.model.embed
     rng = np.random.default_rng(5)
-    for B, L in ((1, 5), (4, 4), (8, 3)):
+    out = []
+    for B, L in cases:
         h = mx.array(rng.standard_normal((B, 576 * (1 + len(shipped.args.feature_layers))), dtype=np.float32))
         g0 = mx.array(rng.integers(0, 49152, B))
         fast = list(greedy_steps(head, embed, h, g0, L))
         with without(KERNEL):
             slow = list(greedy_steps(head, embed, h, g0, L))
-        for (t1, l1), (t2, l2) in zip(fast, slow):
+        out.append(list(zip(fast, slow)))
+    return out
+
+
+def test_float16_copies_draft_what_the_float32_weights_draft(kernel, shipped, target):
+    """Every linear layer of the shipped drafter (stored in float16) gets a float16 copy; drafts with and without
+    them are the same tokens, from logits equal to float rounding."""
+    layers = [m for _, m in shipped.named_modules() if type(m) is nn.Linear]
+    try:
+        assert use_weight_copies(shipped, "float16") == len(layers)
+        assert all(m.draft_copy.current() and m.draft_copy.bits == 16 for m in layers)
+        for (t1, l1), (t2, l2) in (pair for case in _drafts(shipped, target) for pair in case):
             assert mx.array_equal(t1, t2) and mx.abs(l1 - l2).max().item() < 1e-4
+    finally:
+        use_weight_copies(shipped)
+
+
+def test_8_bit_copies_draft_nearly_what_the_float32_weights_draft(kernel, shipped, target):
+    """As decoding loads it, every linear layer of the shipped drafter has an 8-bit copy (a quarter of float32's
+    bytes); its products are those of the dequantized copy (bias included), and the drafts differ from the
+    float32 weights' only where tokens nearly tie (what is decoded never depends on them: the exactness tests)."""
+    layers = [m for _, m in shipped.named_modules() if type(m) is nn.Linear]
+    assert all(m.draft_copy.current() and m.draft_copy.bits == 8 for m in layers)
+    layer, x = shipped.rnn_u, mx.array(np.random.default_rng(3).standard_normal((3, 576), dtype=np.float32))
+    c = layer.draft_copy
+    want = x @ mx.dequantize(c.weight, c.scales, c.biases, group_size=c.group_size, bits=8).T + layer.bias
+    assert mx.allclose(linear(layer, x), want, rtol=1e-5, atol=1e-5).item()
+    cases = _drafts(shipped, target, ((1, 5), (4, 4), (8, 3), (16, 4)))
+    pairs = [pair for case in cases for pair in case]
+    same = sum(mx.sum(t1 == t2).item() for (t1, _), (t2, _) in pairs)
+    assert same >= 0.9 * sum(t.size for (t, _), _ in pairs)
+    firsts = [case[0] for case in cases]  # from the same inputs: logits of magnitude ~40 within 1
+    assert all(mx.abs(l1 - l2).max().item() < 1.0 for (_, l1), (_, l2) in firsts)
+
+
+def test_no_copies_with_the_switch_at_float32(kernel, shipped, target, monkeypatch):
+    monkeypatch.setenv("REDRAFTER_DRAFT_WEIGHTS", "float32")
+    try:
+        assert use_weight_copies(shipped) == 0
+        assert all(m.draft_copy is None for _, m in shipped.named_modules() if type(m) is nn.Linear)
+    finally:
+        use_weight_copies(shipped, "int8")
 
 
 def test_a_copy_steps_aside_once_its_layer_holds_another_weight(kernel, shipped):
@@ -120,21 +160,21 @@ def test_a_copy_steps_aside_once_its_layer_holds_another_weight(kernel, shipped)
     kept = layer.weight
     try:
         layer.weight = kept * 2  # what an optimizer's update does: a new array
-        assert not layer.half.current()
+        assert not layer.draft_copy.current()
         assert mx.allclose(linear(layer, x), layer(x)).item()
         loss = lambda w: linear(layer, x).sum() + (w * 0).sum()  # noqa: E731
         mx.eval(mx.grad(lambda w: (x @ w.T).sum() + loss(w))(layer.weight))  # differentiable again
     finally:
         layer.weight = kept
-    assert layer.half.current()
+    assert layer.draft_copy.current()
 
 
 def test_weights_float16_does_not_hold_get_no_copy(kernel):
     d = random_drafter(576, 49152, seed=9, exit_dim=128, draft_vocab_size=4096)  # float32 random weights
-    assert use_half_weights(d) == 0
+    assert use_weight_copies(d, "float16") == 0
     exact = load_drafter(shipped_drafter_path("smollm2-135m"))
     exact.rnn_w.weight = exact.rnn_w.weight + 1e-6  # no longer a float16 value
-    assert use_half_weights(exact) == len([m for _, m in exact.named_modules() if type(m) is nn.Linear]) - 1
+    assert use_weight_copies(exact, "float16") == len([m for _, m in exact.named_modules() if type(m) is nn.Linear]) - 1
 
 
 @pytest.mark.parametrize("isa", ["best", "avx2", "base"])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_redrafter.environment import switch
+from mlx_redrafter.environment import named
 from mlx_redrafter.files import read_json, write_atomic
 
 
@@ -329,13 +329,10 @@ class Budget:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
 
-STEP_COSTS = ("auto", "measured", "curve")
-
-
 def measures_steps() -> bool:
     """Whether batched steps are priced by this run's timings as well as the cost curve (REDRAFTER_STEP_COSTS=
     measured, the default) or by the curve alone (=curve: reproducible step choices); UserError for another value."""
-    return switch("REDRAFTER_STEP_COSTS", STEP_COSTS) != "curve"
+    return named("REDRAFTER_STEP_COSTS") != "curve"
 
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost

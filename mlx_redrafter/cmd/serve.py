@@ -32,7 +32,6 @@ def serve(
     import uvicorn
 
     from mlx_redrafter import api
-    from mlx_redrafter.batch.budget import measures_steps
     from mlx_redrafter.server.app import create_app
     from mlx_redrafter.server.scheduler import Scheduler
 
@@ -45,7 +44,6 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key is empty: give the key clients must send, or leave the option out to serve "
                         "without one")
-    measures_steps()  # an unknown REDRAFTER_STEP_COSTS fails before the model loads
     check_address(host, port)  # before the model loads: a port in use fails in a moment, not after the load
     res = c.resolve_options(model, drafter, dtype, flags, max_tokens=max_tokens)
     lm = c.load_model(model, drafter, res)

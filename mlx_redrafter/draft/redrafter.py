@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_redrafter.draft.beam_search import BeamSource
-from mlx_redrafter.draft.half_weights import linear
+from mlx_redrafter.draft.weight_copies import linear
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import fsync_tree, read_json
 from mlx_redrafter.model import post_norm_state

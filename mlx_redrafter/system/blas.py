@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from types import ModuleType
 
-from mlx_redrafter.environment import number, switch
+from mlx_redrafter.environment import check_named, number, switch
 from mlx_redrafter.system import attention_kernel, packed_linear, vector_math
 
 _loaded: str | None = None
@@ -191,8 +191,9 @@ def _openblas_candidates() -> list[str]:
 def check_switches() -> tuple[str, bool, list[Kernel]]:
     """The BLAS choice, whether the small-GEMM kernel is wanted and the kernels switched on, read from the
     environment without loading anything; a UserError naming the first switch with an unknown value (or a malformed
-    REDRAFTER_THREADS)."""
+    REDRAFTER_THREADS, or one of the switches `environment.NAMED` lists)."""
     _env_threads()
+    check_named()
     return blas_choice(), small_gemm_requested(), [k for k in KERNELS if k.requested()]
 
 

@@ -5,8 +5,8 @@ of the same weights and a quarter to half of the bytes read.
 A decoding step multiplies a few rows by every weight matrix, so on a CPU it costs what reading the weights costs,
 and MLX's own float16 and quantized products there are several times slower than its float32 ones: this project
 ran float32 copies (538 MB a target call for the embedded 4-bit model). With this kernel a float32 target keeps its
-quantized weights beside the float32 copies (`models.packed`), and a drafter float16 copies of the weights float16
-holds exactly (`draft.half_weights`); steps of up to `MAX_ROWS` rows read those. The same extension dequantizes a
+quantized weights beside the float32 copies (`models.packed`), and a drafter 8-bit (or float16) copies of its
+weights (`draft.weight_copies`); steps of up to `MAX_ROWS` rows read those. The same extension dequantizes a
 model's 4- and 8-bit weights at load time (`dequantize`: mx.dequantize's bits, on every thread), and runs a decoder
 layer of such a step as two nodes around the cache write (`layer_before`, `layer_after`: the same bits as the ~21
 separate nodes, with the attention and vector-math kernels' code, `connect`). Built against the
@@ -73,11 +73,11 @@ def half_product(x, weight, bias=None):
     return _over_rows(x, lambda rows: KERNEL.module.half_linear(rows, weight, bias), weight.shape[0])
 
 
-def quantized_product(x, weight, scales, biases, bits: int, group_size: int):
-    """x (..., K) float32 @ dequantize(weight, scales, biases).T -> (..., N) float32 (lazy): MLX's affine
-    quantization (`mx.quantize`), scales and biases in float32."""
-    return _over_rows(x, lambda rows: KERNEL.module.quantized_linear(rows, weight, scales, biases, bits, group_size),
-                      weight.shape[0])
+def quantized_product(x, weight, scales, biases, bits: int, group_size: int, bias=None):
+    """x (..., K) float32 @ dequantize(weight, scales, biases).T (+ bias (N,)) -> (..., N) float32 (lazy): MLX's
+    affine quantization (`mx.quantize`), scales and biases in float32."""
+    return _over_rows(x, lambda rows: KERNEL.module.quantized_linear(rows, weight, scales, biases, bits, group_size,
+                                                                     bias), weight.shape[0])
 
 
 def dequantize(weight, scales, biases, bits: int, group_size: int):
