@@ -50,14 +50,18 @@ def rnn_allocator(model: Any, drafter: Any, width: int) -> Any:
 
 
 def pick_drafter(target: Any, spec: str | None) -> tuple[Any, str]:
-    """The shipped drafter for the target if there is one, else a seeded random drafter (or `spec`)."""
+    """The shipped drafter for the target if there is one, else a seeded random drafter (or `spec`), drafting from
+    its float32 weights' values (float16 copies where float16 holds them exactly, none otherwise): the reference
+    drafts from those, where decoding on a CPU reads 8-bit copies that may draft otherwise in near-ties."""
     from mlx_redrafter.api import resolve_drafter, shipped_drafter_path
+    from mlx_redrafter.draft.weight_copies import use_weight_copies
 
     if spec is None:
         spec = "default" if shipped_drafter_path(target.name) is not None else "random:0"
     drafter, name = resolve_drafter(spec, target)
     if drafter is None:
         raise UserError(f"no drafter for {spec!r}")
+    use_weight_copies(drafter, "float16")
     return drafter, name
 
 
