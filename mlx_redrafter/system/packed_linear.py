@@ -25,7 +25,8 @@ import sys
 from mlx_redrafter.system import attention_kernel, vector_math
 from mlx_redrafter.system.extension import Extension
 
-VERSION = 6  # the kernel build's version (its speed), shown in blas=...+packed6 (6: a layer as two nodes)
+VERSION = 7  # the kernel build's version (its speed), shown in blas=...+packed7 (6: a layer as two nodes; 7: AVX-512
+# blocks of 4 weight rows at 2-3 rows of x)
 KERNEL = Extension("_packed_linear", "packed_linear.cpp", "the packed-weight kernel", "MLX's product", VERSION)
 # Rows up to which a target's product reads its 4- or 8-bit weights packed, by the kernel's variant: past them the
 # float32 product is as fast (its arithmetic dominates, and the packed one widens every weight again for each pass

@@ -499,13 +499,17 @@ __attribute__((target("avx512f"))) static void quant_passes512(const Args& a, in
     }
 }
 
-// Rows of x per pass and weight rows per block, by measurement (EPYC, the embedded model's products).
+// Rows of x per pass and weight rows per block, by measurement (EPYC, the embedded model's forwards after a
+// 200-token context, the block sizes switched in one process, medians of 30 interleaved repeats, 2026-11-30): 4-bit,
+// 2 rows of x: 4 weight rows 10.2-10.8 ms a forward against 10.8-11.3 with 8; 3 rows: 4 weight rows 11.5-12.3
+// against 11.9-12.6 with 6 (3 x 6 sums and 6 group tables held 30 of the 32 vector registers); 1 row: 8 and 6 alike,
+// 10 slower; 4-6 rows: 4 best (3 and 5 slower). The block shape does not change a sum's order, so not its bits.
 template <int BITS>
 __attribute__((target("avx512f"))) static void quant_rows512(const Args& a, int n0, int n1) {
     switch (a.M) {
         case 1: return quant_block512<BITS, 1, 8>(a, 0, n0, n1);
-        case 2: return quant_block512<BITS, 2, 8>(a, 0, n0, n1);
-        case 3: return quant_block512<BITS, 3, BITS == 4 ? 6 : 4>(a, 0, n0, n1);
+        case 2: return quant_block512<BITS, 2, BITS == 4 ? 4 : 8>(a, 0, n0, n1);
+        case 3: return quant_block512<BITS, 3, 4>(a, 0, n0, n1);
         case 4: return quant_block512<BITS, 4, 4>(a, 0, n0, n1);
         case 5: return quant_block512<BITS, 5, 4>(a, 0, n0, n1);
         case 6: return quant_block512<BITS, 6, 4>(a, 0, n0, n1);
