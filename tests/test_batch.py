@@ -365,6 +365,28 @@ def test_a_budget_priced_by_the_curve_alone_chooses_the_same_steps_whatever_they
         Budget(4, curve)
 
 
+def test_a_copy_of_the_predicted_output_drafts_long_from_its_first_step():
+    """No model needed. Before any row has drafted so, a copy of the request's predicted output while the answer
+    follows it (the kind the prediction source names then) is priced at its prior, `PRIORS`: a fresh budget gives it
+    the whole copy where a copy from the context after a 4-token match gets less."""
+    from functools import partial
+
+    from mlx_redrafter.batch.budget import PRIORS
+    from mlx_redrafter.draft.base import DecodeState
+    from mlx_redrafter.draft.lookup import LookupSource, PredictionIndex
+
+    source = LookupSource(partial(PredictionIndex, [5, 6, 7, 8, 9, 10, 11, 12]), "prediction", 9, 4)
+    source.start([1, 2, 5])  # the answer's first token is the prediction's: the answer follows it
+    state = DecodeState(tokens=[1, 2, 5], g0=mx.array([5]), h=mx.zeros((1, 4)))
+    assert source.propose(state, 4, 1) is not None
+    assert source.kind in PRIORS
+    curve = CostCurve({b: [1.0 + 0.1 * p for p in range(9)] for b in (1, 2, 4, 8)})
+    for kind, want in ((source.kind, 8), ("lookup4", 3)):
+        budget = Budget(9, curve, measured=False)
+        budget.join(copy_cap=8)
+        assert budget.lengths([kind], offered=[8]) == [want]
+
+
 def test_the_budget_prices_each_step_by_what_the_rows_draft_from():
     """No model needed. Rows alternate between stretches where they copy from their context (every draft
     accepted) and stretches where only the drafter drafts (every draft rejected); a drafted token costs a fifth of
