@@ -368,7 +368,7 @@ def test_a_budget_priced_by_the_curve_alone_chooses_the_same_steps_whatever_they
 def test_a_copy_of_the_predicted_output_drafts_long_from_its_first_step():
     """No model needed. Before any row has drafted so, a copy of the request's predicted output while the answer
     follows it (the kind the prediction source names then) is priced at its prior, `PRIORS`: a fresh budget gives it
-    the whole copy where a copy from the context after a 4-token match gets less."""
+    the whole copy where a copy from the context after a 2-token match (no prior of its own) gets less."""
     from functools import partial
 
     from mlx_redrafter.batch.budget import PRIORS
@@ -381,7 +381,7 @@ def test_a_copy_of_the_predicted_output_drafts_long_from_its_first_step():
     assert source.propose(state, 4, 1) is not None
     assert source.kind in PRIORS
     curve = CostCurve({b: [1.0 + 0.1 * p for p in range(9)] for b in (1, 2, 4, 8)})
-    for kind, want in ((source.kind, 8), ("lookup4", 3)):
+    for kind, want in ((source.kind, 8), ("lookup2", 3)):
         budget = Budget(9, curve, measured=False)
         budget.join(copy_cap=8)
         assert budget.lengths([kind], offered=[8]) == [want]

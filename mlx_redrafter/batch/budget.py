@@ -337,12 +337,14 @@ def measures_steps() -> bool:
 
 MEASURED_BATCHES = 8  # the largest batch a curve measures; larger ones scale its cost
 RATIO_WINDOW = 5  # plain / speculative pairs behind each measured cost ratio (their median)
-# Acceptance assumed for a kind of draft before any row has drafted so, where it is known to differ from `prior`: a
-# copy of the request's predicted output while the answer follows it (`LookupSource.kind` of the prediction source,
-# sources.py, names it with `KIND_MATCH`) is the answer the caller expects, so the first request with a prediction
-# copies long from its first steps (at 0.5 the server test's 64-token answer took 12 target calls; now 7, and 5 once
-# the budget has seen predictions).
-PRIORS = {"prediction4": 0.9}
+# Acceptance assumed for a kind of draft before any row has drafted so, where it is known to differ from `prior`
+# (kinds: `LookupSource.kind`, the source's name and the length of the match it copied after, at most 4). A copy of
+# the request's predicted output while the answer follows it is the answer the caller expects, so the first request
+# with a prediction copies long from its first steps (at 0.5 the server test's 64-token answer took 12 target calls;
+# now 7, and 5 once the budget has seen predictions). Context copies after 3- and 4-token matches: their acceptance
+# at the end of 32 held-out prompts decoded in batches of 4 (bench/results/cpu-avx512/priors-20261130/: lookup2
+# 0.55, lookup3 0.79, lookup4 0.81, the drafter 0.53).
+PRIORS = {"prediction4": 0.9, "lookup4": 0.8, "lookup3": 0.75}
 STEADY_DIP = 0.85  # a longer candidate measured below this share of a shorter one's cost: the machine was busy
 STEADY_SPREAD = 0.25  # repeats of a cell this far apart (share of their median): the machine was busy
 CURVE_VERSION = 2  # bumped when the target forward's cost changes shape, so that kept curves are measured again
