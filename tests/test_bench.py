@@ -77,8 +77,13 @@ def test_llama_cpp_is_a_baseline_where_it_is_installed(tmp_path):
 
     if not available():
         pytest.skip("llama-cpp-python is not installed (make .venv/.llama-cpp)")
+    # A prompt whose first token wins by a clear margin (1 logit): llama.cpp's 8-bit activations break near-ties
+    # otherwise (MT-bench's first prompt: its top three within 0.1, and the AVX-512 build picks another token).
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "test", "turns": ["Name three primary colors."]}))
     spec = BenchSpec(device="unit-test", drafter="random:0", drafts="lookup", dtypes=["float32"], widths=[1],
-                     lengths=[2], max_tokens=8, num_prompts=1, warmup_tokens=2, mlx_lm=False, profile=False)
+                     lengths=[2], max_tokens=8, num_prompts=1, warmup_tokens=2, mlx_lm=False, profile=False,
+                     prompts_file=prompts)
     res = run_bench(spec, tmp_path, progress=False)
     with (tmp_path / "unit-test" / res["files"]["csv"]).open() as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
