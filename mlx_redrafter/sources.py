@@ -23,6 +23,7 @@ from mlx_redrafter.draft.medusa import MedusaSource
 from mlx_redrafter.draft.modes import Mode
 from mlx_redrafter.draft.redrafter import RnnSource
 from mlx_redrafter.draft.semi_ar import SemiARSource
+from mlx_redrafter.draft.weight_copies import copies_in_use
 from mlx_redrafter.models.loader import Target
 from mlx_redrafter.options import DecodeOptions
 from mlx_redrafter.shipped import answer_table, answer_table_path
@@ -75,7 +76,8 @@ def _answers(target: Target, drafter: AnyDrafter | None, options: DecodeOptions)
 
 SOURCE_KINDS: dict[str, SourceKind] = {k.name: k for k in (
     SourceKind("rnn", _rnn, lambda t, d, o: {"beam_width": o.shape.width, "drafter_vocab": vocab_rows(d, o),
-                                             "draft_confidence": o.drafter.confidence if o.shape.width == 1 else 0}),
+                                             "draft_confidence": o.drafter.confidence if o.shape.width == 1 else 0,
+                                             "draft_weights": copies_in_use(d) if d is not None else "none"}),
     SourceKind("semi_ar", _semi_ar, lambda t, d, o: {"beam_width": o.shape.width}),
     SourceKind("medusa", _medusa, lambda t, d, o: {"medusa_tree": o.drafter.medusa_tree}),
     SourceKind("lookup", _lookup, lambda t, d, o: {
@@ -86,7 +88,7 @@ SOURCE_KINDS: dict[str, SourceKind] = {k.name: k for k in (
 )}
 # What a record says about sources a mode does not use.
 UNUSED = {"beam_width": 0, "drafter_vocab": 0, "draft_confidence": 0, "lookup_width": 0, "lookup": "none",
-          "lookup_max_length": 0, "answers_width": 0}
+          "lookup_max_length": 0, "answers_width": 0, "draft_weights": "none"}
 
 
 def for_mode(mode: Mode, options: DecodeOptions) -> DecodeOptions:

@@ -145,11 +145,18 @@ def test_8_bit_copies_draft_nearly_what_the_float32_weights_draft(kernel, shippe
     assert all(mx.abs(l1 - l2).max().item() < 1.0 for (_, l1), (_, l2) in firsts)
 
 
-def test_no_copies_with_the_switch_at_float32(kernel, shipped, target, monkeypatch):
+def test_no_copies_with_the_switch_at_float32_and_the_record_says_what_drafting_reads(kernel, shipped, target,
+                                                                                       monkeypatch):
+    lm = api.LoadedModel(target, shipped, "shipped")
+    record = lambda: api.settings(lm, api.decode_options(draft="rnn"))["draft_weights"]  # noqa: E731
+    assert record() == "int8" and api.settings(lm, api.decode_options(draft="none"))["draft_weights"] == "none"
     monkeypatch.setenv("REDRAFTER_DRAFT_WEIGHTS", "float32")
     try:
         assert use_weight_copies(shipped) == 0
         assert all(m.draft_copy is None for _, m in shipped.named_modules() if type(m) is nn.Linear)
+        assert record() == "float32"
+        use_weight_copies(shipped, "float16")
+        assert record() == "float16"
     finally:
         use_weight_copies(shipped, "int8")
 

@@ -100,6 +100,17 @@ def use_weight_copies(drafter: nn.Module, kind: str | None = None) -> int:
     return count
 
 
+def copies_in_use(drafter: nn.Module) -> str:
+    """What `drafter`'s linear layers draft from now: `int8`, `float16`, `float32` (no current copy) or `mixed`."""
+    kinds = set()
+    for _, layer in drafter.named_modules():
+        if type(layer) is nn.Linear:
+            copy = getattr(layer, "draft_copy", None)
+            current = copy is not None and copy.current()
+            kinds.add(("float16" if copy.bits == 16 else f"int{copy.bits}") if current else "float32")
+    return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "float32")
+
+
 def linear(layer: nn.Module, x: mx.array) -> mx.array:
     """layer(x), through the layer's copy where it has a current one."""
     copy = getattr(layer, "draft_copy", None)
