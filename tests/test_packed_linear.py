@@ -145,6 +145,13 @@ def test_8_bit_copies_draft_nearly_what_the_float32_weights_draft(kernel, shippe
     assert all(mx.abs(l1 - l2).max().item() < 1.0 for (_, l1), (_, l2) in firsts)
 
 
+def test_the_switch_names_every_kind_of_copy():
+    from mlx_redrafter.draft.weight_copies import COPIES, SWITCH
+    from mlx_redrafter.environment import NAMED
+
+    assert set(NAMED[SWITCH]) == {"auto", *COPIES}
+
+
 def test_no_copies_with_the_switch_at_float32_and_the_record_says_what_drafting_reads(kernel, shipped, target,
                                                                                        monkeypatch):
     lm = api.LoadedModel(target, shipped, "shipped")
