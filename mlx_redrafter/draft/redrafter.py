@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_redrafter.draft.beam_search import BeamSource
-from mlx_redrafter.draft.weight_copies import linear
+from mlx_redrafter.draft.weight_copies import current_copy, linear
 from mlx_redrafter.errors import UserError
 from mlx_redrafter.files import fsync_tree, read_json
 from mlx_redrafter.model import post_norm_state
@@ -250,9 +250,9 @@ class FrequentHead:
     def logits(self, context: mx.array, state: mx.array) -> mx.array:
         """(..., 2H) -> (..., rows)."""
         x, head = self.drafter.features(context, state), self.drafter.lm_head[-1]
-        half = getattr(head, "half", None)
-        if half is not None and half.current():
-            return half(x, self.rows)
+        copy = current_copy(head)
+        if copy is not None:
+            return copy(x, self.rows)
         if len(self.parts) == 3:  # quantized: rows are independent, so the first rows of each part
             return mx.quantized_matmul(x, *self.parts, transpose=True, group_size=head.group_size, bits=head.bits)
         return x @ self.parts[0].T

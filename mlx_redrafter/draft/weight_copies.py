@@ -100,6 +100,12 @@ def use_weight_copies(drafter: nn.Module, kind: str | None = None) -> int:
     return count
 
 
+def current_copy(layer: nn.Module) -> WeightCopy | None:
+    """The layer's copy where it has a current one (`WeightCopy.current`), else None."""
+    copy = getattr(layer, "draft_copy", None)
+    return copy if copy is not None and copy.current() else None
+
+
 def copies_in_use(drafter: nn.Module) -> str:
     """What `drafter`'s linear layers draft from now: `int8`, `float16`, `float32` (no current copy) or `mixed`."""
     kinds = set()
