@@ -54,6 +54,7 @@ class WeightCopy:
         self.layer, self.source = layer, layer.weight
         self.weight, self.scales, self.biases, self.bits, self.group_size = weight, scales, biases, bits, group_size
         self.bias = layer.get("bias")
+        self.cuts: dict[int, tuple] = {}  # rows -> the first rows of (weight, scales, biases, bias), sliced once
 
     def current(self) -> bool:
         """The layer still holds the weight this copy was made from, and the kernel is usable."""
@@ -61,12 +62,18 @@ class WeightCopy:
 
     def __call__(self, x: mx.array, rows: int | None = None) -> mx.array:
         """x (..., K) -> (..., N) (the first `rows` outputs only: a head cut to its most frequent rows)."""
-        cut = slice(None) if rows is None else slice(rows)
-        bias = None if self.bias is None else self.bias[cut]
+        weight, scales, biases, bias = self._parts(rows)
         if self.bits == 16:
-            return packed_linear.half_product(x, self.weight[cut], bias)
-        return packed_linear.quantized_product(x, self.weight[cut], self.scales[cut], self.biases[cut], self.bits,
-                                               self.group_size, bias)
+            return packed_linear.half_product(x, weight, bias)
+        return packed_linear.quantized_product(x, weight, scales, biases, self.bits, self.group_size, bias)
+
+    def _parts(self, rows: int | None) -> tuple:
+        parts = (self.weight, self.scales, self.biases, self.bias)
+        if rows is None or rows >= self.weight.shape[0]:
+            return parts
+        if rows not in self.cuts:
+            self.cuts[rows] = tuple(None if p is None else p[:rows] for p in parts)
+        return self.cuts[rows]
 
 
 def make_copy(layer: nn.Linear, kind: CopyKind) -> WeightCopy | None:
@@ -111,13 +118,12 @@ def copies_in_use(drafter: nn.Module) -> str:
     kinds = set()
     for _, layer in drafter.named_modules():
         if type(layer) is nn.Linear:
-            copy = getattr(layer, "draft_copy", None)
-            current = copy is not None and copy.current()
-            kinds.add(("float16" if copy.bits == 16 else f"int{copy.bits}") if current else "float32")
+            copy = current_copy(layer)
+            kinds.add("float32" if copy is None else "float16" if copy.bits == 16 else f"int{copy.bits}")
     return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "float32")
 
 
 def linear(layer: nn.Module, x: mx.array) -> mx.array:
     """layer(x), through the layer's copy where it has a current one."""
-    copy = getattr(layer, "draft_copy", None)
-    return copy(x) if copy is not None and copy.current() else layer(x)
+    copy = current_copy(layer)
+    return layer(x) if copy is None else copy(x)
