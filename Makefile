@@ -17,7 +17,7 @@ endif
 # Python ignores a file older than its source, so `make test` refreshes them after edits.
 BYTECODE = $(BIN)/python -m compileall -q -x '/results/' mlx_redrafter convert bench >/dev/null
 
-.PHONY: setup chat test fuzz bench bench-quick parity train distill features data lint clean
+.PHONY: setup chat test fuzz bench bench-quick parity train distill self-prompts features data lint clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard mlx_redrafter/system/csrc/*)
 	$(PY) -m venv $(VENV)
@@ -87,14 +87,19 @@ parity: $(VENV)/.torch  ## MLX vs PyTorch parity report: make parity DEVICE=cpu|
 	$(BIN)/python -m bench parity --device $(DEVICE)
 
 # The data job: nice 19, one BLAS thread per worker, resumable (stop it any time; pause it for benchmarks with
-# kill -STOP / -CONT). `make data` first builds the teacher-forced features every corpus still lacks, then grows the
-# corpus of the target's own answers; `make distill SOURCE=text|endpoint` grows the other sources.
+# kill -STOP / -CONT). `make distill` grows the corpus of the target's answers to prompts it wrote itself
+# (SOURCE=self: the most varied first turns; its prompts come from `make self-prompts`), `SOURCE=greedy` the
+# follow-ups of the shared prompts' conversations (their first turns are all answered), `SOURCE=text|endpoint` the
+# other sources. `make data` grows the greedy corpus.
 WORKERS ?= 1
-distill: $(STAMP)  ## grow a corpus (data/corpus/; SOURCE=greedy|text|endpoint, WORKERS=2, DISTILL_ARGS=...)
+distill: $(STAMP)  ## grow a corpus (data/corpus/; SOURCE=self|greedy|text|endpoint, WORKERS=2, DISTILL_ARGS=...)
 	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \
-	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --source $(or $(SOURCE),greedy) --worker $$i/$(WORKERS) \
+	  MKL_NUM_THREADS=1 $(BIN)/redrafter-mlx distill --source $(or $(SOURCE),self) --worker $$i/$(WORKERS) \
 	    $(DISTILL_ARGS) & \
 	done; wait
+
+self-prompts: $(STAMP)  ## prompts written by the target itself, for SOURCE=self (resumable; SELF_PROMPTS_ARGS=--num N)
+	MKL_NUM_THREADS=2 $(BIN)/redrafter-mlx self-prompts $(SELF_PROMPTS_ARGS)
 
 features: $(STAMP)  ## teacher-forced features (hidden states + top-k labels) of every corpus, in .cache/features (FEATURES_ARGS=--shards 0,10-16)
 	for i in $$(seq 0 $$(($(WORKERS) - 1))); do \

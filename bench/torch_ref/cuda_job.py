@@ -74,11 +74,12 @@ VARIANTS = {
 # ----------------------------------------------------------------------------------------------------------- here
 def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int = 16, from_end: bool = False,
             max_shards: int | None = None, text_corpus: Path | None = None, write_gguf: bool = True,
-            pack_corpora: bool = True) -> None:
+            pack_corpora: bool = True, self_corpus: Path | None = None) -> None:
     """Write the job spec (`job.json`, `job.npz`), the target's GGUF (xz, in parts) and, with `pack_corpora`, the
     corpora (`pack_corpus`) into `job_dir`; `from_end`: the plan's last shards first (the CPU's data job works from
     the front, so the two do not make the same shard); `max_shards`: at most that many shards in the job (a smaller
-    job.npz)."""
+    job.npz); `self_corpus`: the target's answers to prompts it wrote itself, packed too where it has a manifest (a
+    run trains on them first)."""
     from mlx_redrafter.errors import UserError
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
@@ -147,7 +148,9 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
 
     packs = {}
     if pack_corpora:
-        for key, folder in (("corpus", corpus_dir), ("text_corpus", text_corpus)):
+        if self_corpus is not None and not (Path(self_corpus) / "manifest.json").is_file():
+            self_corpus = None
+        for key, folder in (("corpus", corpus_dir), ("text_corpus", text_corpus), ("self_corpus", self_corpus)):
             if folder is not None:
                 packs[f"{key}_pack"] = pack_corpus(Path(folder), job_dir / key.replace("_", "-"))
     spec = {"gguf_name": gguf.name, "gguf_sha256": hashlib.sha256(data).hexdigest(), "eos_ids": tok.eos_ids,
@@ -155,7 +158,8 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
             "corpus": str(corpus_dir), "jobs": [j.name for j in todo], "turn1_prompts": len(t1_row),
             "turn2_rows": len(t2_row), "parity_prompts": len(parity),
             "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m",
-            "text_corpus": str(text_corpus) if text_corpus else None, "gguf_parts": parts, **packs}
+            "text_corpus": str(text_corpus) if text_corpus else None,
+            "self_corpus": str(self_corpus) if self_corpus else None, "gguf_parts": parts, **packs}
     (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
     sizes = "".join(f"; {k[:-5].replace('_', ' ')}: {v['shards']} shards (xz) in {v['parts']} part(s)"
                     for k, v in packs.items())
@@ -1007,7 +1011,8 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     spec = json.loads((job_dir / "job.json").read_text())
     job = dict(np.load(job_dir / "job.npz"))
     out.mkdir(parents=True, exist_ok=True)
-    for key in ("corpus", "text_corpus"):  # the packed corpora, where the job has them: the checkout's may be absent
+    # the packed corpora, where the job has them: the checkout's may be absent
+    for key in ("corpus", "text_corpus", "self_corpus"):
         pack = spec.get(f"{key}_pack")
         if spec.get(key) and pack and pack["parts"]:
             spec[key] = str(unpack_corpus(pack, [gguf_dir, job_dir], job_dir / "unpacked" / key))
@@ -1090,6 +1095,11 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     answers = seqs["train"] + new
     rng = np.random.default_rng(0)
     answers, text = [answers[i] for i in rng.permutation(len(answers))], [text[i] for i in rng.permutation(len(text))]
+    # the answers to the target's own prompts first: their first turns are the most varied, and a feature pass
+    # past its deadline keeps the sequences it reached
+    own_dir = Path(spec.get("self_corpus") or "-")
+    own = corpus_sequences(own_dir, limit)["train"] if (own_dir / "manifest.json").is_file() else []
+    answers = [own[i] for i in rng.permutation(len(own))] + answers
     start = start_config(Path(spec["drafter"]), init).get("feature_layers") or []
     taps = tuple(sorted({layer for v in variants for layer in VARIANTS[v].taps} | set(start)))
     contexts = sum(len(s) - P for s, P in answers + text)
@@ -1109,6 +1119,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
                           "train_starts": len(train_f),
                           "position_stride": position_stride, "greedy_starts": greedy_starts,
                           "greedy_contexts": greedy_contexts, "new_sequences": len(new),
+                          "self_prompted_sequences": len(own),
                           "text_sequences": len(text), "heldout_contexts": len(held_f), "tf32": feature_tf32,
                           "seconds": round(time.perf_counter() - tf, 1)}
     _log(f"features: {report['features']}", t0)
@@ -1259,6 +1270,8 @@ def _main() -> None:
     p.add_argument("--corpus", type=Path, default=Path("data/corpus/smollm2-135m"))
     p.add_argument("--text-corpus", type=Path, default=Path("data/corpus/smollm2-135m-text"),
                    help="the fixed-text corpus the variants with text train on")
+    p.add_argument("--self-corpus", type=Path, default=Path("data/corpus/smollm2-135m-self"),
+                   help="the answers to the target's own prompts (`distill --source self`), trained on first")
     p.add_argument("--from-end", action="store_true", help="the plan's last shards first (a CPU data job beside)")
     p.add_argument("--max-shards", type=int, default=None, help="at most this many shards in the job")
     r = sub.add_parser("run")
@@ -1311,7 +1324,7 @@ def _main() -> None:
         _fail(f"--max-shards {a.max_shards}: give a count of shards, 0 or more (0: a job for training only)")
     if a.cmd == "prepare":
         prepare(a.job, a.prompts, a.corpus, from_end=a.from_end, max_shards=a.max_shards,
-                text_corpus=a.text_corpus)
+                text_corpus=a.text_corpus, self_corpus=a.self_corpus)
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.slots, a.batch, a.lr, a.gen_share,
             tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir, not a.generate_only,

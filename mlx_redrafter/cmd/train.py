@@ -19,7 +19,9 @@ DEFAULT_FEATURES = Path(".cache/features")
 DEFAULT_REPLAY = Path(".cache/replay")
 
 
-SOURCES = ("greedy", "text", "endpoint")
+SOURCES = ("greedy", "self", "text", "endpoint")
+SHARED_PROMPTS = Path("../shared/data/train_prompts.jsonl")
+SELF_PROMPTS = "prompts.jsonl"  # in the self-prompted corpus' own folder (CORPUS/<model>-self/)
 THREADS = Field("", int, 1, 1024)  # BLAS threads of the data commands
 
 
@@ -31,11 +33,12 @@ def corpus_dir(corpus: Path, model_name: str, source: str) -> Path:
 @c.one_line_errors
 def distill(
     source: str | None = typer.Option(None, help="Where sequences come from: greedy (the target's own answers), "
-                                      "text (fixed prompt/response pairs, --responses), endpoint (an "
-                                      "OpenAI-compatible server's answers, --endpoint) \\[greedy; endpoint with "
-                                      "--endpoint]."),
-    prompts: Path = typer.Option(Path("../shared/data/train_prompts.jsonl"), help="JSONL prompts ({\"prompt\", "
-                                 "\"source\"} per line) for greedy and endpoint."),
+                                      "self (its answers to prompts it wrote itself: `self-prompts`), text (fixed "
+                                      "prompt/response pairs, --responses), endpoint (an OpenAI-compatible "
+                                      "server's answers, --endpoint) \\[greedy; endpoint with --endpoint]."),
+    prompts: Path | None = typer.Option(None, help="JSONL prompts ({\"prompt\", \"source\"} per line) for greedy, "
+                                        f"self and endpoint [{SHARED_PROMPTS}; self: CORPUS/<model>-self/"
+                                        f"{SELF_PROMPTS}]."),
     responses: Path = typer.Option(Path("../shared/data/responses.jsonl"), help="JSONL {\"prompt\", \"response\"} "
                                    "pairs for --source text."),
     endpoint: str | None = typer.Option(None, help="Base URL of an OpenAI-compatible server, e.g. "
@@ -88,7 +91,14 @@ def distill(
     set_threads(threads)
     reuse_freed_memory()
     target = load_target(model, "float32")
-    if source == "greedy":
+    root = corpus_dir(corpus, target.name, source)
+    if source == "self" and prompts is None:
+        prompts = root / SELF_PROMPTS
+        if not prompts.is_file():
+            raise UserError(f"--source self has no prompts at {prompts}: write them first with `redrafter-mlx "
+                            "self-prompts` (or give --prompts FILE)")
+    prompts = prompts or SHARED_PROMPTS
+    if source in ("greedy", "self"):
         from mlx_redrafter.train.greedy import GreedySource
 
         src = GreedySource(target, prompts, capture=True)
@@ -101,11 +111,65 @@ def distill(
 
         src = EndpointSource(target, endpoint, prompts, model=endpoint_model, api_key=api_key,
                              concurrency=concurrency)
-    root = corpus_dir(corpus, target.name, source)
     with c.stops_cleanly():
         out = grow(src, target, root, max_shards=shards, hours=hours, features_dir=features / root.name,
                    worker=(i, n))
     typer.echo(json.dumps(out.stats()))
+
+
+@c.one_line_errors
+def self_prompts(
+    num: int = typer.Option(4096, "--num", "-n", help="Prompts to write."),
+    out: Path | None = typer.Option(None, "--out", "-o", help=f"Where [CORPUS/<model>-self/{SELF_PROMPTS}, the "
+                                    "prompts `distill --source self` answers]."),
+    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (for the default --out)."),
+    seed: int = typer.Option(0, help="Attempt k samples with seed SEED + k."),
+    batch: int = typer.Option(32, help="User turns sampled at once."),
+    model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
+    threads: int = typer.Option(2, help="BLAS threads."),
+    nice: int = typer.Option(19, help="Scheduling niceness added to this process and its session group (0 = none)."),
+) -> None:
+    """Write prompts with the target itself: user turns it samples after its chat template's opening of a user
+    message (Magpie), kept where finished, new and not a benchmark's, for a corpus of more varied first turns.
+    Resumable (kept prompts are saved beside --out after every batch; --out appears once complete)."""
+    from tqdm import tqdm
+
+    from mlx_redrafter import api
+    from mlx_redrafter.prompts import packaged, read_prompts
+    from mlx_redrafter.system.blas import set_threads
+    from mlx_redrafter.system.priority import lower_priority
+    from mlx_redrafter.train.self_prompts import make_prompts
+
+    check_option("--num", num, Field("", int, 1, 10**7))
+    check_option("--batch", batch, Field("", int, 1, 1024))
+    check_option("--seed", seed, Field("", int, 0, 2**31))
+    check_option("--threads", threads, THREADS)
+    check_option("--nice", nice, Field("", int, 0, 19))
+    if out is not None:
+        check_writable_file(out, "--out")
+    lower_priority(nice)
+    set_threads(threads)
+    lm = api.load(model, drafter="none", dtype="float32")
+    out = out or corpus_dir(corpus, lm.target.name, "self") / SELF_PROMPTS
+    check_writable_file(out, "--out")
+    if out.exists():
+        have = len(read_prompts(out))
+        if have >= num:
+            typer.echo(f"{out} already holds {have} prompts")
+            return
+        raise UserError(f"{out} already holds {have} prompts, fewer than --num {num}: a corpus' prompts file stays "
+                        "as its shards were planned on; write more prompts to another --out")
+    benchmark = [t for r in read_prompts(packaged()) for t in (r.get("turns") or [r["prompt"]])]
+    bar = tqdm(total=num, desc=f"self-prompts {out.name}", unit="prompt", dynamic_ncols=True)
+
+    def progress(kept: int, dropped: dict[str, int]) -> None:
+        bar.update(kept - bar.n)
+        bar.set_postfix(dropped=sum(dropped.values()), refresh=False)
+
+    with c.stops_cleanly():
+        stats = make_prompts(lm, out, num, seed=seed, batch_size=batch, exclude=benchmark, progress=progress)
+    bar.close()
+    typer.echo(json.dumps({"out": str(out), **stats}))
 
 
 @c.one_line_errors

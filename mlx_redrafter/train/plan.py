@@ -26,6 +26,7 @@ SOURCE_WEIGHTS = {"gsm8k_train": 0.15, "gpteacher_codegen": 0.3}
 LICENSES = {
     "gsm8k_train": "MIT", "dolly15k_partial": "CC-BY-SA-3.0", "gpteacher_codegen": "MIT",
     "gpteacher_roleplay": "MIT", "oasst": "Apache-2.0", "self_instruct_seed": "Apache-2.0",
+    "self_prompted": "Apache-2.0",  # written by the target itself (train/self_prompts.py): SmolLM2 is Apache-2.0
 }
 FOLLOW_UPS = [
     # round 1
