@@ -453,7 +453,8 @@ def eval_drafter(
     max_tokens: int = typer.Option(128, help="New tokens per prompt (greedy)."),
     prompts: Path | None = typer.Option(None, help="Prompts JSONL [MT-bench first turns shipped in the package]."),
     heldout: bool = typer.Option(False, "--heldout", help="Use the corpus' held-out prompts instead."),
-    corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (for --heldout)."),
+    corpus: Path = typer.Option(DEFAULT_CORPUS, help="For --heldout: a corpus root (its <model>/ corpus) or one "
+                                "corpus' folder, e.g. data/corpus/smollm2-135m-self."),
     draft: str = typer.Option("rnn", help="Drafting to measure: rnn, lookup, rnn+lookup or lookup-else-rnn."),
     drafter_vocab: int | None = c.DECODE_FLAGS["drafter_vocab"][1],
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
@@ -472,8 +473,9 @@ def eval_drafter(
     if replay:
         check_writable_dir(replay_cache, "--replay-cache")
     if heldout:
-        ids = heldout_prompt_ids(corpus / resolve_model(model)[0], num_prompts)
-        texts, source = ids, "the corpus' held-out shard"
+        root = corpus if (corpus / "manifest.json").is_file() else corpus / resolve_model(model)[0]
+        ids = heldout_prompt_ids(root, num_prompts)
+        texts, source = ids, f"the held-out shard of {root.name}"
     else:
         texts = [r["prompt"] for r in first_turns(prompts, num_prompts)]
         source = str(prompts) if prompts else "MT-bench first turns"
