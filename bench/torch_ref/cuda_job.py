@@ -148,8 +148,9 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
 
     packs = {}
     if pack_corpora:
-        if self_corpus is not None and not (Path(self_corpus) / "manifest.json").is_file():
-            self_corpus = None
+        if self_corpus is not None and (not (Path(self_corpus) / "manifest.json").is_file()
+                                        or Path(self_corpus).resolve() == Path(corpus_dir).resolve()):
+            self_corpus = None  # none yet, or the job's own corpus (its sequences are read once)
         for key, folder in (("corpus", corpus_dir), ("text_corpus", text_corpus), ("self_corpus", self_corpus)):
             if folder is not None:
                 packs[f"{key}_pack"] = pack_corpus(Path(folder), job_dir / key.replace("_", "-"))
