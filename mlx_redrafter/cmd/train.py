@@ -150,8 +150,8 @@ def self_prompts(
     lower_priority(nice)
     set_threads(threads)
     lm = api.load(model, drafter="none", dtype="float32")
-    out = out or corpus_dir(corpus, lm.target.name, "self") / SELF_PROMPTS
-    check_writable_file(out, "--out")
+    if out is None:  # a given --out was checked before the model loaded
+        out = check_writable_file(corpus_dir(corpus, lm.target.name, "self") / SELF_PROMPTS, "--out")
     if out.exists():
         have = len(read_prompts(out))
         if have >= num:
