@@ -9,6 +9,8 @@ numbers of new tokens can run `Ragged`: the per-token products see only the real
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -645,6 +647,16 @@ class Model(nn.Module):
         self._inv_freq, self._position_scale = inverse_frequencies(args)  # underscore: not parameters
         self.compiled: CompiledLayer | None = None  # see compile_layers
         self.feature_layers: tuple[int, ...] = ()  # layers whose outputs follow the post-norm state in `hidden`
+
+    @contextmanager
+    def tapping(self, layers: tuple[int, ...]) -> Iterator[None]:
+        """Within the block, `hidden` carries the states of `layers` after the post-norm state (as `feature_layers`
+        names them); the model's own setting is restored after."""
+        kept, self.feature_layers = self.feature_layers, tuple(layers)
+        try:
+            yield
+        finally:
+            self.feature_layers = kept
 
     def make_cache(self, capacity: int) -> KVCache:
         """An empty KV cache for this model, pre-sized for `capacity` positions (it grows if needed)."""

@@ -225,6 +225,42 @@ def test_the_data_engine_keeps_the_last_state_on_a_target_that_returns_tapped_la
                for a, b, o in zip(states, tapped_states, plain))
 
 
+def test_the_data_engine_keeps_the_tapped_layers_it_is_asked_for_and_training_then_needs_only_labels(
+        target, chat_ids, tmp_path):
+    from mlx_redrafter.train.corpus import Corpus, load_shard
+    from mlx_redrafter.train.distill import grow
+    from mlx_redrafter.train.features import ensure, feature_paths, load_features, teacher_forced
+    from mlx_redrafter.train.greedy import GreedySource, generate_greedy
+    from mlx_redrafter.train.plan import Settings
+
+    layers, H, eos = tuple(LAYERS), 576, target.tokenizer.eos_ids
+    prompts = [chat_ids[1][:30], chat_ids[9][:50]]
+    plain, states = generate_greedy(target.model, prompts, 12, eos, capture=True)
+    tapped, wide = generate_greedy(target.model, prompts, 12, eos, capture=True, layers=layers)
+    assert tapped == plain and target.model.feature_layers == ()
+    assert all(w.shape == (len(o), H * 4) and np.array_equal(w[:, :H], s) for w, s, o in zip(wide, states, plain))
+
+    # a shard made by the data job with the drafter's layers: its feature pass is the labels' alone
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p, "source": "oasst"}) + "\n" for p in ["Say hi.", "Name a fruit."]))
+    settings = Settings(max_new_tokens=10, shard_size=2, batch_size=2, heldout=2, turn2_every=100)
+    root, feats = tmp_path / "c" / target.name, tmp_path / "f" / target.name
+    grow(GreedySource(target, rows, settings, capture=True, layers=layers), target, root, features_dir=feats,
+         progress=False, log=lambda m: None)
+    corpus = Corpus(root, target.model.args.vocab_size)
+    name = sorted(corpus.entries)[0]
+    kept = feature_paths(feats, name, corpus.entries[name]["sha256"], layers)
+    assert kept.hidden.exists() and kept.taps.exists() and not kept.labels.exists()
+    said = []
+    ensure(corpus, target.model, eos[0], feats, [name], progress=False, log=said.append, layers=layers)
+    assert "0 shards teacher-forced" in said[0] and "1 labelled from stored states" in said[0]
+    sh = load_shard(root / name, target.model.args.vocab_size)
+    got = load_features(kept, sh)
+    hidden, ids, _ = teacher_forced(target.model, sh, eos[0], layers=layers)
+    assert np.allclose(got.hidden, hidden[:, :H], atol=2e-2) and np.allclose(got.taps, hidden[:, H:], atol=2e-2)
+    assert (got.top_ids[:, 0] == ids[:, 0]).mean() > 0.95
+
+
 def test_a_fused_drafter_quantizes_and_loads_back(tmp_path):
     from mlx_redrafter.draft.redrafter import quantize_drafter
 

@@ -259,6 +259,17 @@ def test_corpus_resumes_after_interruption_and_regenerates_corrupt_shards(target
         Corpus(root).shards()
 
 
+def test_a_partial_shards_states_are_kept_only_for_the_layers_they_were_captured_with(tmp_path):
+    from mlx_redrafter.train.greedy import Partial
+
+    corpus, prompts = Corpus(tmp_path / "c"), [[1, 2, 3], [4, 5]]
+    Partial(corpus, "shard-00001.npz", prompts, 8, True).save({0: [7, 8]}, {0: np.ones((2, 576), np.float16)})
+    responses, hiddens, _ = Partial(corpus, "shard-00001.npz", prompts, 8, True).load()
+    assert responses == {0: [7, 8]} and hiddens[0].shape == (2, 576)
+    responses, hiddens, _ = Partial(corpus, "shard-00001.npz", prompts, 8, True, (2, 15)).load()
+    assert responses == {0: [7, 8]} and hiddens == {}  # the answers resume; their states are captured anew
+
+
 def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_file, tmp_path, capsys):
     """A kill inside a shard keeps its finished batches; the resumed shard equals an uninterrupted one, and its
     manifest entry counts what the batches made before the kill cost."""
@@ -287,8 +298,8 @@ def test_an_interrupted_shard_resumes_from_its_finished_batches(target, prompts_
     assert elsewhere.seqs == fresh.seqs and elsewhere.hidden is None  # features rebuilt by the teacher-forced pass
     logged = []
     grow(source, target, tmp_path / "c", max_shards=1, progress=True, log=logged.append)
-    assert logged[0].startswith("distill greedy: shards to make: 1 ")
-    assert f"distill greedy {job.name}" in capsys.readouterr().err  # the bar and its ETA: the shard in hand
+    assert logged[0].startswith(f"distill {corpus.name} (greedy): shards to make: 1 ")
+    assert f"distill {corpus.name} {job.name}" in capsys.readouterr().err  # the bar and its ETA: the shard in hand
     assert not partial_path(corpus, job.name).exists()  # removed once the shard is written
     assert not partial_path(corpus, job.name).parent.exists()
     entry = Corpus(tmp_path / "c").entries[job.name]  # every batch came from the partial file: its cost is theirs

@@ -52,6 +52,9 @@ def distill(
     hours: float | None = typer.Option(None, help="Stop starting new shards after this many hours."),
     features: Path = typer.Option(DEFAULT_FEATURES, help="Local cache for the hidden states computed while "
                                   "generating (derived data, not committed)."),
+    feature_layers: str | None = typer.Option(None, "--feature-layers", help="Also keep the states of these target "
+                                              "layers, e.g. 2,15,24, so that training a drafter that fuses them "
+                                              "needs only the labels' pass; empty for none [the shipped drafter's]."),
     threads: int = typer.Option(1, help="BLAS threads (1 is right when other work shares the cores)."),
     nice: int = typer.Option(19, help="Scheduling niceness added to this process and its session group (0 = none)."),
     worker: str = typer.Option("0/1", help="I/N: make only the shards whose index is I modulo N (run N processes, "
@@ -87,10 +90,13 @@ def distill(
     check_option("--threads", threads, THREADS)
     check_writable_dir(corpus, "--corpus")
     check_writable_dir(features, "--features")
+    layers = feature_layer_list(feature_layers) if feature_layers is not None else None
     lower_priority(nice)
     set_threads(threads)
     reuse_freed_memory()
     target = load_target(model, "float32")
+    layers = shipped_feature_layers(target.name) if layers is None else layers
+    check_layers_exist(layers, target)
     root = corpus_dir(corpus, target.name, source)
     if source == "self" and prompts is None:
         prompts = root / SELF_PROMPTS
@@ -101,7 +107,7 @@ def distill(
     if source in ("greedy", "self"):
         from mlx_redrafter.train.greedy import GreedySource
 
-        src = GreedySource(target, prompts, capture=True)
+        src = GreedySource(target, prompts, capture=True, layers=layers)
     elif source == "text":
         from mlx_redrafter.train.text import TextSource
 
@@ -416,6 +422,15 @@ def feature_layer_list(text: str | None) -> tuple[int, ...]:
 
         check_feature_layers(list(layers), "--feature-layers")
     return layers
+
+
+def shipped_feature_layers(model_name: str) -> tuple[int, ...]:
+    """The target layers the drafter shipped for a model fuses (none without such a drafter)."""
+    from mlx_redrafter.draft.redrafter import read_checkpoint
+    from mlx_redrafter.shipped import shipped_drafter_path
+
+    path = shipped_drafter_path(model_name)
+    return tuple(read_checkpoint(path)[0].get("feature_layers") or ()) if path is not None else ()
 
 
 def check_layers_exist(layers: tuple[int, ...], target) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ from mlx_redrafter.errors import UserError
 from mlx_redrafter.models.loader import Target
 from mlx_redrafter.train.corpus import FORMAT, Corpus, shard_bytes
 from mlx_redrafter.train.plan import Job
+
+# Free disk the data job leaves beside the states it keeps (SmolLM2-135M with three tapped layers: ~4.6 kB a
+# response token, ~0.4 GB a shard): past it, a shard's states are dropped, rebuilt by the feature pass when needed.
+KEEP_FREE_BYTES = 8 * 1024**3
 
 
 def target_fingerprint(target: Target) -> str:
@@ -53,6 +58,7 @@ class Made:
     turns: list[int] | int = 1
     info: dict[str, Any] = field(default_factory=dict)  # extra manifest fields (sources, eos stops, ...)
     hidden: list[np.ndarray] | None = None  # per sequence: the target's states at its context positions, if kept
+    layers: tuple[int, ...] = ()  # the target layers whose states follow the last one in `hidden`
 
     @property
     def response_tokens(self) -> int:
@@ -131,7 +137,7 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
     # plan (months of one CPU); the total left is logged once
     bar = None
     if progress and todo:
-        log(f"distill {source.kind}: shards to make: {len(todo)} (worker {worker[0]}/{worker[1]}), "
+        log(f"distill {corpus.name} ({source.kind}): shards to make: {len(todo)} (worker {worker[0]}/{worker[1]}), "
             f"{sum(source.total(j) for j in todo)} answers")
     t_run = t_bar = time.perf_counter()
     made_tokens = 0
@@ -145,7 +151,7 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
         if bar is not None:
             bar.close()
         name = group[0].name + (f" +{len(group) - 1}" if len(group) > 1 else "")
-        bar = tqdm(total=sum(source.total(j) for j in group), desc=f"distill {source.kind} {name}", unit="answer",
+        bar = tqdm(total=sum(source.total(j) for j in group), desc=f"distill {corpus.name} {name}", unit="answer",
                    dynamic_ncols=True, smoothing=0.05)
         t_bar, made_tokens = time.perf_counter(), 0
 
@@ -171,7 +177,15 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
         if features_dir is not None and made.hidden is not None:  # derived data, local, never committed
             from mlx_redrafter.train.features import save_hidden
 
-            save_hidden(features_dir, job.name, hashlib.sha256(data).hexdigest(), made.hidden)
+            size, where = sum(h.nbytes for h in made.hidden), Path(features_dir).absolute()
+            while not where.exists():  # made on the first save
+                where = where.parent
+            free = shutil.disk_usage(where).free
+            if free - size >= KEEP_FREE_BYTES:
+                save_hidden(features_dir, job.name, hashlib.sha256(data).hexdigest(), made.hidden, made.layers)
+            else:
+                log(f"{job.name}: its states ({size / 1e9:.1f} GB) not kept, {free / 1e9:.1f} GB free in "
+                    f"{features_dir}: the feature pass rebuilds them (free space there to keep them)")
         resp = made.response_tokens
         corpus.write_shard(job.name, data, {
             "turn": job.turn, "split": job.split, "sequences": len(made.seqs), "response_tokens": resp,

@@ -14,8 +14,9 @@ Per shard of a corpus, in a local cache keyed by the shard's sha256 (a regenerat
                                                       target layers (here 2, 15 and 24): each layer's output over
                                                       its RMS, as `Model` returns them beside the last state
 
-A greedy corpus keeps the states its generation computed anyway (`save_hidden`); labels missing beside stored
-states are computed from them (the output layer only); anything else, tapped layers included, gets the full
+A greedy corpus keeps the states its generation computed anyway (`save_hidden`: the last state, and the tapped
+layers' states where the data job was told which, by default the shipped drafter's); labels missing beside stored
+states are computed from them (the output layer only, a fifth of a forward); anything else gets the full
 teacher-forced pass.
 """
 
@@ -62,11 +63,18 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def save_hidden(root: str | Path, shard_name: str, sha256: str, per_sequence: list[np.ndarray]) -> Path:
-    """Store per-sequence (m_i, H) states of a shard as its hidden file (float16, atomic)."""
-    H = next((h.shape[1] for h in per_sequence if h.ndim == 2), 0)
-    arr = np.concatenate([np.zeros((0, H), np.float16)] + [h.astype(np.float16) for h in per_sequence])
-    return write_atomic(feature_paths(root, shard_name, sha256).hidden, _npy_bytes(arr))
+def save_hidden(root: str | Path, shard_name: str, sha256: str, per_sequence: list[np.ndarray],
+                layers: tuple[int, ...] = ()) -> Path:
+    """Store per-sequence (m_i, H) states of a shard as its hidden file (float16, atomic); with `layers`, states
+    (m_i, H * (1 + len(layers))) as a tapping forward returns them: the tapped layers' part goes to the taps file
+    (written first: a hidden file present means the shard's states are complete)."""
+    W = next((h.shape[1] for h in per_sequence if h.ndim == 2), 0)
+    arr = np.concatenate([np.zeros((0, W), np.float16)] + [h.astype(np.float16) for h in per_sequence])
+    paths = feature_paths(root, shard_name, sha256, layers)
+    H = W // (1 + len(layers))
+    if paths.taps is not None:
+        write_atomic(paths.taps, _npy_bytes(np.ascontiguousarray(arr[:, H:])))
+    return write_atomic(paths.hidden, _npy_bytes(np.ascontiguousarray(arr[:, :H])))
 
 
 def _save_labels(path: Path, ids: np.ndarray, logp: np.ndarray) -> None:
@@ -120,12 +128,8 @@ def teacher_forced(model: Model, shard: Shard, pad_id: int, k: int = TOP_K, max_
     sequence order: one float32 forward per batch of similar-length sequences (left-padded). With `layers`, hidden
     is (C, H * (1 + len(layers))): the post-norm state followed by those layers' states over their RMS, what a
     drafter that fuses them conditions on."""
-    kept = model.feature_layers
-    model.feature_layers = tuple(layers)
-    try:
+    with model.tapping(layers):
         return _teacher_forced(model, shard, pad_id, k, max_batch_tokens, progress)
-    finally:
-        model.feature_layers = kept
 
 
 def _teacher_forced(model: Model, shard: Shard, pad_id: int, k: int, max_batch_tokens: int,

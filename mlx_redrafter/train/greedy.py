@@ -44,19 +44,21 @@ class GreedyRows:
     suffix stay masked). `step` feeds every row its last token (`batch.step.ar_step`); a row stops at an eos id or
     after `max_new_tokens` tokens. Each row keeps its own positions and the slots it may attend to, so a row decides
     what it would alone. Finished rows leave the cache once fewer than `compact_below` of its rows still run, or
-    before a group joins.
+    before a group joins. With `capture`, each decided token's state is kept: the post-norm state, followed by the
+    states of target layers `layers` where given (what a drafter fusing them trains on, `Model.tapping`).
     """
 
     def __init__(self, model: Model, max_new_tokens: int, eos_ids: list[int], capture: bool = False,
-                 compact_below: float = 0.75):
+                 compact_below: float = 0.75, layers: tuple[int, ...] = ()):
         if not eos_ids:
             raise UserError("the target tokenizer has no eos id: cannot pad or stop generations")
         self.model, self.max_new, self.eos_ids, self.capture = model, max_new_tokens, list(eos_ids), capture
+        self.layers = tuple(layers) if capture else ()
         self.eos, self.compact_below = set(eos_ids), compact_below
         self.cache = RowsCache(model.args.num_hidden_layers, 0)
         self.keys: list[object] = []  # per cache row: its key
         self.nxt = mx.zeros((0,), dtype=mx.int32)
-        self.h = mx.zeros((0, model.args.hidden_size), dtype=mx.float16)
+        self.h = mx.zeros((0, model.args.hidden_size * (1 + len(self.layers))), dtype=mx.float16)
         self.out: dict[object, list[int]] = {}
         self.hids: dict[object, list[np.ndarray]] = {}
         self.running: dict[object, bool] = {}
@@ -87,7 +89,8 @@ class GreedyRows:
         n_pad = tok.shape[1]
         S = max(len(s) for _, s in branches)
         cache = model.make_cache(n_pad + S)
-        logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
+        with model.tapping(self.layers or model.feature_layers):
+            logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
         of = np.array([i for i, _ in branches])
         lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
         pad = pad[of]
@@ -108,15 +111,16 @@ class GreedyRows:
             sees = key_ok[:, None, :] & (cols[None, None, :] <= n_pad + q[None, :, None])
             sees[:, q, n_pad + q] = True  # an empty slot's query sees itself
             pos = np.maximum((lens - S)[:, None] + q[None, :], 0)
-            logits, hidden = forward_chunked(model, cache, mx.array(block), mx.array(pos, dtype=mx.int32),
-                                             mx.array(sees[:, None]))
+            with model.tapping(self.layers or model.feature_layers):
+                logits, hidden = forward_chunked(model, cache, mx.array(block), mx.array(pos, dtype=mx.int32),
+                                                 mx.array(sees[:, None]))
             fed = mx.array(hole < S)  # rows whose suffix is not empty take their first token from it
             nxt = mx.where(fed, mx.argmax(logits[:, -1], axis=-1), nxt)
             h = mx.where(fed[:, None], hidden[:, -1], h)
         self.cache.join_rows(cache, key_ok, lens.tolist(), room)
         self.keys += list(keys)
         self.nxt = mx.concatenate([self.nxt, nxt.astype(mx.int32)])
-        self.h = mx.concatenate([self.h, self._last_state(h)])
+        self.h = mx.concatenate([self.h, self._state(h)])
         for k in keys:
             self.out[k], self.hids[k], self.running[k] = [], [], True
         self._take(list(range(len(self.keys) - B, len(self.keys))))
@@ -130,13 +134,14 @@ class GreedyRows:
         if live < self.compact_below * len(self.keys):
             self._compact()
         B = len(self.keys)
-        nxt, h, _ = ar_step(self.model, self.cache, self.nxt, [GREEDY] * B, [None] * B)
-        self.nxt, self.h = nxt.astype(mx.int32), self._last_state(h)
+        with self.model.tapping(self.layers or self.model.feature_layers):
+            nxt, h, _ = ar_step(self.model, self.cache, self.nxt, [GREEDY] * B, [None] * B)
+        self.nxt, self.h = nxt.astype(mx.int32), self._state(h)
         self._take([i for i, k in enumerate(self.keys) if self.running[k]])
 
-    def _last_state(self, hidden: mx.array) -> mx.array:
-        """The post-norm state (float16) of the target's features."""
-        return self.model.last_state(hidden).astype(mx.float16)
+    def _state(self, hidden: mx.array) -> mx.array:
+        """What is kept of a forward's states (float16): the post-norm state (+ the tapped layers')."""
+        return (hidden if self.layers else self.model.last_state(hidden)).astype(mx.float16)
 
     def _take(self, rows: list[int]) -> None:
         """Record the tokens (and states) just decided for these cache rows."""
@@ -164,11 +169,12 @@ class GreedyRows:
 
 def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                     compact_below: float = 0.75, capture: bool = False,
-                    branches: list[tuple[int, list[int]]] | None = None,
+                    branches: list[tuple[int, list[int]]] | None = None, layers: tuple[int, ...] = (),
                     ) -> tuple[list[list[int]], list[np.ndarray] | None]:
     """Greedy responses for a batch of prompts (each ends with an eos id if the model stopped by itself), and
     with `capture` the post-norm hidden states (float16) at each response's context positions: the last
-    prompt position and every response position but the last (m states for m response tokens).
+    prompt position and every response position but the last (m states for m response tokens); with `layers`,
+    each followed by those target layers' states (m, H * (1 + len(layers))).
 
     With `branches` [(i, suffix), ...], one response per branch instead: to prompts[i] + suffix. Each prompt is
     prefilled once however many branches continue it (e.g. several follow-up requests to one conversation), then
@@ -177,7 +183,7 @@ def generate_greedy(model: Model, prompts: list[list[int]], max_new_tokens: int,
     """
     if branches is None:
         branches = [(i, []) for i in range(len(prompts))]
-    rows = GreedyRows(model, max_new_tokens, eos_ids, capture, compact_below)
+    rows = GreedyRows(model, max_new_tokens, eos_ids, capture, compact_below, layers)
     rows.add(prompts, branches, list(range(len(branches))), room=max_new_tokens)
     while rows.live:
         rows.step()
@@ -193,40 +199,42 @@ class Partial:
     with the corpus; with `capture`, the hidden states beside them, local. Both are keyed by the prompts and
     settings; one that does not match (or does not load) is ignored and overwritten. Answers whose states are
     missing (another machine made them) resume without states: the shard then carries none, and its features are
-    rebuilt by the teacher-forced pass."""
+    rebuilt by the teacher-forced pass. The states file is keyed by the tapped `layers` too (its width)."""
 
-    def __init__(self, corpus: Corpus, name: str, prompts: list[list[int]], max_new_tokens: int, capture: bool):
+    def __init__(self, corpus: Corpus, name: str, prompts: list[list[int]], max_new_tokens: int, capture: bool,
+                 layers: tuple[int, ...] = ()):
         h = hashlib.sha256(f"{max_new_tokens}:{capture}:".encode())
         for p in prompts:
             h.update(np.asarray(p, dtype=np.int64).tobytes() + b"|")
         self.path, self.states_path = partial_path(corpus, name), partial_states_path(corpus, name)
         self.key, self.capture = h.hexdigest(), capture
+        self.states_key = self.key + "".join(f":{i}" for i in layers)
 
     def load(self) -> tuple[dict[int, list[int]], dict[int, np.ndarray], tuple[float, float]]:
         """The saved responses, the hidden states saved with them (with `capture`, where present) and the (wall,
         CPU) seconds their batches cost."""
-        z = self._read(self.path, ("index", "offsets", "tokens", "spent"))
+        z = self._read(self.path, ("index", "offsets", "tokens", "spent"), self.key)
         if z is None:
             return {}, {}, (0.0, 0.0)
         idx, offsets, tokens = z["index"].tolist(), z["offsets"], z["tokens"]
         responses = {i: tokens[offsets[k]:offsets[k + 1]].tolist() for k, i in enumerate(idx)}
         spent = (float(z["spent"][0]), float(z["spent"][1]))
         hiddens = {}
-        states = self._read(self.states_path, ("index", "offsets", "hidden")) if self.capture else None
+        states = self._read(self.states_path, ("index", "offsets", "hidden"), self.states_key) if self.capture else None
         if states is not None:
             s_offsets, hidden = states["offsets"], states["hidden"]
             hiddens = {i: hidden[s_offsets[k]:s_offsets[k + 1]] for k, i in enumerate(states["index"].tolist())
                        if i in responses and s_offsets[k + 1] - s_offsets[k] == len(responses[i])}
         return responses, hiddens, spent
 
-    def _read(self, path: Path, names: tuple[str, ...]) -> dict[str, np.ndarray] | None:
-        """A file's arrays if it exists, loads, has this key and the arrays `names` with consistent lengths."""
+    def _read(self, path: Path, names: tuple[str, ...], key: str) -> dict[str, np.ndarray] | None:
+        """A file's arrays if it exists, loads, has `key` and the arrays `names` with consistent lengths."""
         try:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             return None
-        if str(arrays.get("key")) != self.key or any(k not in arrays for k in names):
+        if str(arrays.get("key")) != key or any(k not in arrays for k in names):
             return None
         offsets, rows = arrays["offsets"], arrays.get("tokens", arrays.get("hidden"))
         if len(offsets) != len(arrays["index"]) + 1 or offsets[-1] != len(rows) or (np.diff(offsets) < 0).any():
@@ -245,7 +253,7 @@ class Partial:
         have = [i for i in idx if i in hiddens]
         if self.capture and have:
             buf = io.BytesIO()
-            np.savez(buf, key=np.array(self.key), index=np.array(have, dtype=np.int64),
+            np.savez(buf, key=np.array(self.states_key), index=np.array(have, dtype=np.int64),
                      offsets=np.cumsum([0] + [len(hiddens[i]) for i in have]),
                      hidden=np.concatenate([hiddens[i] for i in have]))
             write_atomic(self.states_path, buf.getvalue())
@@ -277,10 +285,11 @@ class GreedySource:
     kind = "greedy"
 
     def __init__(self, target: Target, prompts_file: str | Path, settings: Settings | None = None,
-                 capture: bool = False):
+                 capture: bool = False, layers: tuple[int, ...] = ()):
         from mlx_redrafter.prompts import read_prompts
 
         self.target, self.settings, self.capture = target, settings or Settings(), capture
+        self.layers = tuple(layers) if capture else ()  # target layers whose states are kept beside the last one
         self.prompts_file = Path(prompts_file)
         self.rows = read_prompts(prompts_file)
         self.order = plan_order(self.rows, self.settings.seed)
@@ -317,7 +326,7 @@ class GreedySource:
             progress(len(job.rows) - len(keep), 0)
         prompts = [ids[i] for i in keep]
         by_len = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batch together
-        saved = Partial(corpus, job.name, prompts, s.max_new_tokens, self.capture)
+        saved = Partial(corpus, job.name, prompts, s.max_new_tokens, self.capture, self.layers)
         responses, hiddens, (wall0, cpu0) = saved.load()
         t0, c0 = time.perf_counter(), time.process_time()
         for b in range(0, len(by_len), s.batch_size):
@@ -344,6 +353,7 @@ class GreedySource:
             seqs=[prompts[i] + responses[i] for i in range(len(prompts))], prompt_lens=[len(p) for p in prompts],
             index=index, turns=job.turn,
             hidden=[hiddens[i] for i in range(len(prompts))] if self.capture and len(hiddens) == len(prompts) else None,
+            layers=self.layers,
             info={"skipped_prompts": len(job.rows) - len(keep), "sources": dict(sorted(sources.items())),
                   "eos_stops": sum(1 for r in responses.values() if r and r[-1] in eos),
                   **({"made_with": made_with} if made_with else {}),
@@ -378,7 +388,7 @@ class GreedySource:
         if skipped:  # counted now (prompts too long with their turn-1 answer), so the bar's ETA is the answers'
             progress(skipped, 0)
         saved = [Partial(corpus, j.name, [parts[g][i][0] + parts[g][i][1] for i in kept], s.max_new_tokens,
-                         self.capture) for g, (j, kept) in enumerate(zip(jobs, keep))]
+                         self.capture, self.layers) for g, (j, kept) in enumerate(zip(jobs, keep))]
         loaded = [sv.load() for sv in saved]
         responses, hiddens = [x[0] for x in loaded], [x[1] for x in loaded]
         t0, c0 = time.perf_counter(), time.process_time()
@@ -410,7 +420,8 @@ class GreedySource:
                 sv.save(responses[g], hiddens[g], (share[g][0] + spent[0], share[g][1] + spent[1]))
 
         # continuous batching: a unit joins the running rows as soon as there is room for it
-        running, waiting, unsaved = GreedyRows(self.target.model, s.max_new_tokens, tok.eos_ids, self.capture), [], 0
+        running = GreedyRows(self.target.model, s.max_new_tokens, tok.eos_ids, self.capture, layers=self.layers)
+        waiting, unsaved = [], 0
         try:
             while pending or running.live:
                 while pending and (not running.live or running.live + len(pending[0][1]) <= s.batch_size):
@@ -441,7 +452,7 @@ class GreedySource:
     def answer(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray] | None]:
         """Greedy responses to a batch of prompts (and their hidden states when capturing)."""
         return generate_greedy(self.target.model, prompts, self.settings.max_new_tokens, self.target.tokenizer.eos_ids,
-                               capture=self.capture)
+                               capture=self.capture, layers=self.layers)
 
     @property
     def follow_ids(self) -> list[list[int]]:
