@@ -60,3 +60,11 @@ def test_self_prompts_refuses_to_change_a_planned_file(tmp_path):
     assert out.read_text().count("\n") == 1
     ok = run([*CLI, "self-prompts", "--num", "1", "--out", str(out), "--threads", "1"], tmp_path)
     assert ok.returncode == 0 and "already holds 1" in ok.stdout
+
+
+def test_a_damaged_partial_file_is_a_one_line_error_and_kept(tmp_path):
+    out, partial = tmp_path / "prompts.jsonl", tmp_path / "prompts.jsonl.partial"
+    partial.write_bytes(b'{"prompt": "What is a prime\n\xff\xfe')
+    proc = run([*CLI, "self-prompts", "--num", "2", "--out", str(out), "--threads", "1"], tmp_path)
+    assert_one_line_error(proc, "is not a self-prompts file")
+    assert partial.read_bytes().endswith(b"\xff\xfe") and not out.exists()

@@ -144,7 +144,7 @@ def self_prompts(
     from mlx_redrafter.prompts import packaged, read_prompts
     from mlx_redrafter.system.blas import set_threads
     from mlx_redrafter.system.priority import lower_priority
-    from mlx_redrafter.train.self_prompts import make_prompts
+    from mlx_redrafter.train.self_prompts import make_prompts, partial_file, read_rows
 
     check_option("--num", num, Field("", int, 1, 10**7))
     check_option("--batch", batch, Field("", int, 1, 1024))
@@ -165,6 +165,7 @@ def self_prompts(
             return
         raise UserError(f"{out} already holds {have} prompts, fewer than --num {num}: a corpus' prompts file stays "
                         "as its shards were planned on; write more prompts to another --out")
+    read_rows(partial_file(out))  # a damaged one: an error before any work
     benchmark = [t for r in read_prompts(packaged()) for t in (r.get("turns") or [r["prompt"]])]
     bar = tqdm(total=num, desc=f"self-prompts {out.name}", unit="prompt", dynamic_ncols=True)
 

@@ -85,11 +85,25 @@ def sample_user_turns(lm, first: int, count: int, seed: int, batch_size: int) ->
     return [(r.text, len(r.tokens) < MAX_PROMPT_TOKENS) for r in results]  # stopped before the limit: closed
 
 
+def partial_file(out: Path) -> Path:
+    """Where `make_prompts` keeps the rows kept so far for `out`."""
+    return out.with_name(out.name + ".partial")
+
+
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a self-prompts file (or of its `.partial` companion); [] where there is none."""
+    """Rows of a self-prompts file (or of its `.partial` companion); [] where there is none; a one-line UserError
+    for a file that is not what `make_prompts` writes."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if all(isinstance(r, dict) and isinstance(r.get("prompt"), str) and isinstance(r.get("attempt"), int)
+               for r in rows):
+            return rows
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    raise UserError(f"{path} is not a self-prompts file (JSONL rows with \"prompt\" and \"attempt\"): delete it "
+                    "to start over")
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
@@ -101,7 +115,7 @@ def make_prompts(lm, out: Path, num: int, seed: int = 0, batch_size: int = 16, e
     """Write `num` prompts to `out` (JSONL {"prompt", "source", "attempt"}), sampling attempts in batches until
     that many are kept. Resumable: kept rows are saved beside `out` (`.partial`) after every batch and a run
     continues after its last attempt; `out` appears once complete. Returns counts of kept and dropped attempts."""
-    partial = out.with_name(out.name + ".partial")
+    partial = partial_file(out)
     rows = read_rows(partial)
     filt = Filter(exclude)
     for r in rows:
