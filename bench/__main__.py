@@ -354,6 +354,30 @@ def compare(
     typer.echo(markdown(report))
 
 
+@app.command()
+@c.one_line_errors
+def ab(
+    drafter: list[str] = typer.Option(..., "--drafter", help="A drafter to compare (directory, or 'default' for the "
+                                      "shipped one); repeat the option."),
+    rounds: int = typer.Option(2, help="Passes over the prompts (the drafters' order rotates)."),
+    per_set: int = typer.Option(8, help="Prompts per set: MT-bench first turns and each --heldout corpus'."),
+    heldout: list[Path] = typer.Option([], "--heldout", help="A corpus whose held-out shard's first turns are a set "
+                                       "(repeat the option)."),
+    max_tokens: int = typer.Option(128, help="Tokens decoded per prompt."),
+    out: Path = typer.Option(..., help="Folder for ab.json and ab.md."),
+) -> None:
+    """Speed A/B of drafters in one process, interleaved: AR, and per drafter the default mode and the drafter
+    alone (pooled speed over AR; every output checked against AR's). Run it on a quiet machine."""
+    from .ab import markdown, run_ab, write_ab
+
+    check_option("--rounds", rounds, Field("", int, 1, 100))
+    check_option("--per-set", per_set, Field("", int, 1, 80))
+    check_option("--max-tokens", max_tokens, Field("", int, 1, 4096))
+    report = run_ab(drafter, rounds, per_set, heldout, max_tokens)
+    write_ab(out, report)
+    typer.echo(markdown(report))
+
+
 def main() -> None:
     """Entry point of `python -m bench`: installs the BLAS, then runs the command."""
     from mlx_redrafter import install_blas

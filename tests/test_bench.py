@@ -227,3 +227,18 @@ def test_calibration_bins_every_drafted_position(target):
     assert first["positions"] == res["positions"] == sum(b["n"] for b in first["bins"])
     assert all(0 <= b["accepted"] <= 1 for r in res["steps"] + res["joint"] for b in r["bins"] if b["n"])
     assert "draft 1" in markdown(res, "t")
+
+
+def test_drafter_ab_interleaves_and_checks_every_output(tmp_path):
+    res = CliRunner().invoke(app, ["ab", "--drafter", "default", "--drafter", "random:0", "--rounds", "1",
+                                   "--per-set", "1", "--max-tokens", "6", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "ab.json").read_text())
+    assert report["identical_to_ar"] is True and report["sets"] == {"mt-bench": 1}
+    cells = {(r["drafter"], r["mode"], r["set"]) for r in report["rows"]}
+    assert cells == {("ar", "none", s) for s in ("all", "mt-bench")} | {
+        (d, m, s) for d in ("default", "random:0") for m in ("auto", "rnn") for s in ("all", "mt-bench")}
+    assert all(r["tokens"] > 0 and r["speed_vs_ar"] > 0 for r in report["rows"])
+    assert (tmp_path / "ab.md").read_text().startswith("# Drafter A/B")
+    bad = CliRunner().invoke(app, ["ab", "--drafter", "default", "--rounds", "0", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and bad.output.strip().startswith("error: ") and "--rounds" in bad.output
