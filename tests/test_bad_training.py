@@ -228,6 +228,8 @@ def test_train_options_out_of_range(tmp_path, option, value, needle):
     (["distill", "--source", "text", "--endpoint", "http://127.0.0.1:9/v1"], "--endpoint makes --source endpoint"),
     (["distill", "--endpoint", "http://127.0.0.1:99999/v1"], "a port from 1 to 65535"),
     (["distill", "--source", "text", "--nice", "1000"], "--nice must be an integer from 0 to 19"),
+    (["distill", "--feature-layers", "2,x"], "--feature-layers takes comma-separated integers"),
+    (["distill", "--feature-layers", "2,99"], "--feature-layers 2,99: smollm2-135m has layers 0-29"),
     (["train", "--init-from", "mlx_redrafter/drafters/smollm2-135m", "--kind", "medusa"],
      "is a redrafter drafter: leave --kind out"),
     (["eval-drafter", "--draft", "none"], "--draft none drafts nothing to measure"),
