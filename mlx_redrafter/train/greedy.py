@@ -89,7 +89,7 @@ class GreedyRows:
         n_pad = tok.shape[1]
         S = max(len(s) for _, s in branches)
         cache = model.make_cache(n_pad + S)
-        with model.tapping(self.layers or model.feature_layers):
+        with self._tapping():
             logits, hidden = forward_chunked(model, cache, mx.array(tok), mx.array(positions), mx.array(mask))
         of = np.array([i for i, _ in branches])
         lens = np.array([len(prompts[i]) + len(s) for i, s in branches])
@@ -111,7 +111,7 @@ class GreedyRows:
             sees = key_ok[:, None, :] & (cols[None, None, :] <= n_pad + q[None, :, None])
             sees[:, q, n_pad + q] = True  # an empty slot's query sees itself
             pos = np.maximum((lens - S)[:, None] + q[None, :], 0)
-            with model.tapping(self.layers or model.feature_layers):
+            with self._tapping():
                 logits, hidden = forward_chunked(model, cache, mx.array(block), mx.array(pos, dtype=mx.int32),
                                                  mx.array(sees[:, None]))
             fed = mx.array(hole < S)  # rows whose suffix is not empty take their first token from it
@@ -134,10 +134,14 @@ class GreedyRows:
         if live < self.compact_below * len(self.keys):
             self._compact()
         B = len(self.keys)
-        with self.model.tapping(self.layers or self.model.feature_layers):
+        with self._tapping():
             nxt, h, _ = ar_step(self.model, self.cache, self.nxt, [GREEDY] * B, [None] * B)
         self.nxt, self.h = nxt.astype(mx.int32), self._state(h)
         self._take([i for i, k in enumerate(self.keys) if self.running[k]])
+
+    def _tapping(self):
+        """The target's forwards here return the layers kept with `capture` (else what the model is set to)."""
+        return self.model.tapping(self.layers or self.model.feature_layers)
 
     def _state(self, hidden: mx.array) -> mx.array:
         """What is kept of a forward's states (float16): the post-norm state (+ the tapped layers')."""
