@@ -68,3 +68,16 @@ def test_a_damaged_partial_file_is_a_one_line_error_and_kept(tmp_path):
     proc = run([*CLI, "self-prompts", "--num", "2", "--out", str(out), "--threads", "1"], tmp_path)
     assert_one_line_error(proc, "is not a self-prompts file")
     assert partial.read_bytes().endswith(b"\xff\xfe") and not out.exists()
+
+
+def test_prompts_of_another_file_are_not_repeated(target, tmp_path):
+    lm = LoadedModel(target=target, drafter=None, drafter_name="none")
+    first = tmp_path / "a.jsonl"
+    make_prompts(lm, first, 2, seed=7, batch_size=2)
+    again = make_prompts(lm, tmp_path / "b.jsonl", 2, seed=7, batch_size=2,
+                         avoid=[r["prompt"] for r in read_rows(first)])
+    assert again["dropped_this_run"].get("repeated", 0) >= 2  # the same seed samples the same turns first
+    assert not {r["prompt"] for r in read_rows(tmp_path / "b.jsonl")} & {r["prompt"] for r in read_rows(first)}
+    proc = run([*CLI, "self-prompts", "--num", "1", "--out", str(tmp_path / "c.jsonl"), "--avoid",
+                str(tmp_path / "missing.jsonl")], tmp_path)
+    assert_one_line_error(proc, "missing.jsonl")

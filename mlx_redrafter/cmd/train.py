@@ -129,7 +129,10 @@ def self_prompts(
     out: Path | None = typer.Option(None, "--out", "-o", help=f"Where [CORPUS/<model>-self/{SELF_PROMPTS}, the "
                                     "prompts `distill --source self` answers]."),
     corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root (for the default --out)."),
-    seed: int = typer.Option(0, help="Attempt k samples with seed SEED + k."),
+    seed: int = typer.Option(0, help="Attempt k samples with seed SEED + k (another file: a SEED past the other "
+                             "file's attempts)."),
+    avoid: list[Path] = typer.Option([], "--avoid", help="A prompts file whose prompts the new ones must not "
+                                     "repeat, e.g. an earlier self-prompts file (repeat the option)."),
     batch: int = typer.Option(32, help="User turns sampled at once."),
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     threads: int = typer.Option(2, help="BLAS threads."),
@@ -153,6 +156,7 @@ def self_prompts(
     check_option("--nice", nice, Field("", int, 0, 19))
     if out is not None:
         check_writable_file(out, "--out")
+    avoided = [r["prompt"] for f in avoid for r in read_prompts(f)]
     lower_priority(nice)
     set_threads(threads)
     lm = api.load(model, drafter="none", dtype="float32")
@@ -174,7 +178,8 @@ def self_prompts(
         bar.set_postfix(dropped=sum(dropped.values()), refresh=False)
 
     with c.stops_cleanly():
-        stats = make_prompts(lm, out, num, seed=seed, batch_size=batch, exclude=benchmark, progress=progress)
+        stats = make_prompts(lm, out, num, seed=seed, batch_size=batch, exclude=benchmark, progress=progress,
+                             avoid=avoided)
     bar.close()
     typer.echo(json.dumps({"out": str(out), **stats}))
 

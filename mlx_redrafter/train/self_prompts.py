@@ -111,15 +111,15 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def make_prompts(lm, out: Path, num: int, seed: int = 0, batch_size: int = 16, exclude: Iterable[str] = (),
-                 progress: Callable[[int, dict[str, int]], None] | None = None) -> dict:
+                 progress: Callable[[int, dict[str, int]], None] | None = None, avoid: Iterable[str] = ()) -> dict:
     """Write `num` prompts to `out` (JSONL {"prompt", "source", "attempt"}), sampling attempts in batches until
-    that many are kept. Resumable: kept rows are saved beside `out` (`.partial`) after every batch and a run
-    continues after its last attempt; `out` appears once complete. Returns counts of kept and dropped attempts."""
+    that many are kept; none repeats a prompt of `avoid` (e.g. another file's). Resumable: kept rows are saved
+    beside `out` (`.partial`) after every batch and a run continues after its last attempt; `out` appears once
+    complete. Returns counts of kept and dropped attempts."""
     partial = partial_file(out)
     rows = read_rows(partial)
     filt = Filter(exclude)
-    for r in rows:
-        filt.seen.add(normalized(r["prompt"]))
+    filt.seen.update(normalized(t) for t in [*avoid, *(r["prompt"] for r in rows)])
     attempt = (rows[-1]["attempt"] + 1) if rows else 0
     if progress:
         progress(len(rows), filt.dropped)
