@@ -81,3 +81,12 @@ def test_prompts_of_another_file_are_not_repeated(target, tmp_path):
     proc = run([*CLI, "self-prompts", "--num", "1", "--out", str(tmp_path / "c.jsonl"), "--avoid",
                 str(tmp_path / "missing.jsonl")], tmp_path)
     assert_one_line_error(proc, "missing.jsonl")
+
+
+def test_a_second_self_prompted_corpus_is_named_and_its_prompts_are_looked_for_there(tmp_path):
+    proc = run([*CLI, "distill", "--source", "self", "--corpus", str(tmp_path / "corpus"), "--corpus-name",
+                "smollm2-135m-self2"], tmp_path)
+    assert_one_line_error(proc, "smollm2-135m-self2/prompts.jsonl", "self-prompts")
+    bad = run([*CLI, "distill", "--source", "self", "--corpus", str(tmp_path / "corpus"), "--corpus-name", "a/b"],
+              tmp_path)
+    assert_one_line_error(bad, "--corpus-name takes a folder name")

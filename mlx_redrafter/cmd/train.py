@@ -47,6 +47,9 @@ def distill(
     api_key: str | None = typer.Option(None, envvar="OPENAI_API_KEY", help="Bearer token for the endpoint."),
     concurrency: int = typer.Option(4, help="Endpoint requests in flight at once."),
     corpus: Path = typer.Option(DEFAULT_CORPUS, help="Corpus root; shards go to CORPUS/<model>[-<source>]/."),
+    corpus_name: str | None = typer.Option(None, "--corpus-name", help="The corpus' folder under CORPUS instead, "
+                                           "e.g. smollm2-135m-self2 for a second self-prompted corpus (self: its "
+                                           "prompts.jsonl holds the prompts) [<model>[-<source>]]."),
     model: str | None = typer.Option(None, "--model", "-m", help=c.MODEL_HELP),
     shards: int | None = typer.Option(None, help="Stop after this many new shards (default: the whole plan)."),
     hours: float | None = typer.Option(None, help="Stop starting new shards after this many hours."),
@@ -90,6 +93,10 @@ def distill(
     check_option("--threads", threads, THREADS)
     check_writable_dir(corpus, "--corpus")
     check_writable_dir(features, "--features")
+    if corpus_name is not None and (not corpus_name.strip() or Path(corpus_name).name != corpus_name
+                                    or corpus_name in (".", "..")):
+        raise UserError(f"--corpus-name takes a folder name, without '/', e.g. smollm2-135m-self2 "
+                        f"(got {corpus_name!r})")
     layers = feature_layer_list(feature_layers) if feature_layers is not None else None
     lower_priority(nice)
     set_threads(threads)
@@ -97,7 +104,7 @@ def distill(
     target = load_target(model, "float32")
     layers = shipped_feature_layers(target.name) if layers is None else layers
     check_layers_exist(layers, target)
-    root = corpus_dir(corpus, target.name, source)
+    root = corpus / corpus_name if corpus_name else corpus_dir(corpus, target.name, source)
     if source == "self" and prompts is None:
         prompts = root / SELF_PROMPTS
         if not prompts.is_file():
