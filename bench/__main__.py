@@ -368,11 +368,14 @@ def ab(
 ) -> None:
     """Speed A/B of drafters in one process, interleaved: AR, and per drafter the default mode and the drafter
     alone (pooled speed over AR; every output checked against AR's). Run it on a quiet machine."""
+    from mlx_redrafter.files import check_writable_dir
+
     from .ab import markdown, run_ab, write_ab
 
     check_option("--rounds", rounds, Field("", int, 1, 100))
     check_option("--per-set", per_set, Field("", int, 1, 80))
     check_option("--max-tokens", max_tokens, Field("", int, 1, 4096))
+    check_writable_dir(out, "--out")  # before the run, not after it
     report = run_ab(drafter, rounds, per_set, heldout, max_tokens)
     write_ab(out, report)
     typer.echo(markdown(report))

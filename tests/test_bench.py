@@ -242,3 +242,9 @@ def test_drafter_ab_interleaves_and_checks_every_output(tmp_path):
     assert (tmp_path / "ab.md").read_text().startswith("# Drafter A/B")
     bad = CliRunner().invoke(app, ["ab", "--drafter", "default", "--rounds", "0", "--out", str(tmp_path / "x")])
     assert bad.exit_code == 2 and bad.output.strip().startswith("error: ") and "--rounds" in bad.output
+
+
+def test_drafter_ab_checks_its_output_folder_before_decoding(tmp_path):
+    (tmp_path / "afile").write_text("")
+    res = CliRunner().invoke(app, ["ab", "--drafter", "default", "--out", str(tmp_path / "afile")])
+    assert res.exit_code == 2 and res.output.strip().startswith("error: --out") and "is a file" in res.output
