@@ -177,10 +177,9 @@ def grow(source: SequenceSource, target: Target, root: str | Path, *, worker: tu
         if features_dir is not None and made.hidden is not None:  # derived data, local, never committed
             from mlx_redrafter.train.features import save_hidden
 
-            size, where = sum(h.nbytes for h in made.hidden), Path(features_dir).absolute()
-            while not where.exists():  # made on the first save
-                where = where.parent
-            free = shutil.disk_usage(where).free
+            size = sum(h.nbytes for h in made.hidden)
+            Path(features_dir).mkdir(parents=True, exist_ok=True)  # as the first save would
+            free = shutil.disk_usage(features_dir).free
             if free - size >= KEEP_FREE_BYTES:
                 save_hidden(features_dir, job.name, hashlib.sha256(data).hexdigest(), made.hidden, made.layers)
             else:

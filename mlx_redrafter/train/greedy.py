@@ -293,7 +293,7 @@ class GreedySource:
         from mlx_redrafter.prompts import read_prompts
 
         self.target, self.settings, self.capture = target, settings or Settings(), capture
-        self.layers = tuple(layers) if capture else ()  # target layers whose states are kept beside the last one
+        self.layers = tuple(layers)  # target layers whose states are kept beside the last one (with `capture`)
         self.prompts_file = Path(prompts_file)
         self.rows = read_prompts(prompts_file)
         self.order = plan_order(self.rows, self.settings.seed)
