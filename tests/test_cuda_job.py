@@ -120,6 +120,46 @@ def test_features_hold_the_targets_own_states_and_labels(target, hf, chat_ids):
             row += len(s) - P
 
 
+def test_replay_on_the_gpu_decides_what_the_runtimes_replay_decides(target, hf, chat_ids):
+    """The CUDA job's tokens per call of the drafter alone (W1 L4, every start's run from one teacher-forced pass,
+    then decoding's walk) equal the runtime's replay (`train/replay.py`, drafting step by step) of the same greedy
+    answers with the same drafter, up to a step that float rounding between the two forwards may decide otherwise;
+    only the first `max_tokens` answer tokens count."""
+    from bench.torch_ref.cuda_job import Features, replay_rate
+    from bench.torch_ref.drafter import from_mlx
+    from mlx_redrafter import api
+    from mlx_redrafter.train.replay import Answer, replay_answers
+    from mlx_redrafter.train.replay import greedy_answers as runtime_answers
+
+    try:
+        drafter_model, name = api.resolve_drafter("default", target)
+        lm = api.LoadedModel(target=target, drafter=drafter_model, drafter_name=name)
+        answers = runtime_answers(lm, [chat_ids[5], chat_ids[6], chat_ids[7]], 40)
+        opts = api.decode_options(draft="rnn", beam_width=1, beam_length=4, max_tokens=40)
+        drafter = from_mlx(lm.drafter)
+        emb = hf.model.embed_tokens.weight.detach().float()
+        feats = Features(hf, [(a.tokens.astype(np.int64), a.prompt_len) for a in answers], "cpu", taps=(2, 15, 24))
+        for max_tokens in (40, 17):
+            mine = replay_rate(drafter, lambda x: emb[x], feats, length=4, max_tokens=max_tokens)
+            cut = [Answer(a.tokens[: a.prompt_len + max_tokens], a.prompt_len, a.hidden) for a in answers]
+            theirs = replay_answers(cut, lambda: api.make_allocator(lm, opts), 4, max_tokens)
+            calls, decided = sum(st.steps for st in theirs), sum(st.decided for st in theirs)
+            assert decided == sum(min(len(a.tokens) - a.prompt_len, max_tokens) - 1 for a in answers)
+            hist = [sum(st.accepted_hist[k] for st in theirs) for k in range(4)]  # beam length 4: 3 drafted
+            assert len(mine["accepted_hist"]) == 4 and sum(mine["accepted_hist"]) == mine["calls"]
+            # float rounding (batched here, one sequence there) may flip a draft or two: the walks part there
+            assert sum(abs(x - y) for x, y in zip(mine["accepted_hist"], hist)) <= 4, (mine, hist)
+            assert abs(mine["tokens_per_call"] - decided / calls) <= 2 / calls and mine["tokens_per_call"] > 1
+            assert mine["sequences"] == 3
+        one_row = replay_rate(drafter, lambda x: emb[x], feats, max_tokens=17, head_rows=1)  # a head of one token
+        assert one_row["tokens_per_call"] < mine["tokens_per_call"]
+        with pytest.raises(ValueError, match="stride 1"):
+            replay_rate(drafter, lambda x: emb[x], Features(hf, [(answers[0].tokens.astype(np.int64), 9)], "cpu",
+                                                            taps=(2, 15, 24), stride=2))
+    finally:  # the target's forward as the other tests expect it: its last state alone
+        target.model.feature_layers = ()
+
+
 def test_strided_features_keep_every_label_and_the_states_of_every_nth_position(hf, chat_ids):
     """With a stride, drafts start from every n-th position of each sequence (the states of those only are kept)
     and still read the labels of every later position: the same batch as the full features give there."""
@@ -407,8 +447,10 @@ def test_a_run_too_short_for_two_variants_trains_and_returns_the_first_alone(tar
     monkeypatch.setattr(cuda_job, "TIMED_STEPS", 4)  # a step here takes ~0.3 s, not a GPU's ~7 ms
     t0 = time.perf_counter()
     rep = train(hf, feats, feats, shipped_drafter_path(target.name), tmp_path, t0 + 6, t0, batch=4, lr=1e-4,
-                variants=("soft-fuse3", "soft-fuse3-wide"), min_steps=10**9)
+                variants=("soft-fuse3", "soft-fuse3-wide"), min_steps=10**9, replay_sets={"answers": feats})
     assert rep["dropped_variants"] == ["soft-fuse3-wide"] and rep["steps"] > 4
     assert "acc" in rep["soft-fuse3"] and "soft-fuse3-wide" not in rep
+    for measured in (rep["before"], rep["soft-fuse3"]):  # decoding's measure beside the teacher-forced one
+        assert list(measured["replay"]) == ["answers"] and measured["replay"]["answers"] >= 1
     names = sorted(f.name for f in tmp_path.iterdir())  # the drafter in its parts, and nothing else
     assert names[0] == "drafter_soft-fuse3.safetensors" and all(n.startswith(names[0]) for n in names)

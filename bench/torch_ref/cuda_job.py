@@ -19,7 +19,8 @@ shards, which travel packed beside the job: `pack_corpus`), on a continuous batc
 starts + the target's top-8 labels at every context position, as `train/features.py` does; float32 unless
 `--feature-tf32`), and over the fixed-text corpus where a variant asks for it; (4) warm-started drafters trained
 side by side until the budget ends, one per variant of `VARIANTS` (labels, data, shape), with held-out top-1
-accuracy per draft step before and after (the same measure as `train/loop.py`'s `evaluate`).
+accuracy per draft step (the same measure as `train/loop.py`'s `evaluate`) and the replayed tokens per call of the
+drafter alone on the held-out first turns (`replay_rate`, as `train/replay.py`) before, at checkpoints and after.
 """
 
 from __future__ import annotations
@@ -527,9 +528,10 @@ def load_sequences(result_dir: Path) -> tuple[dict[tuple[int, int, int], list[in
     return got, done
 
 
-def corpus_sequences(corpus_dir: Path, limit: int | None = None) -> dict[str, list[tuple[np.ndarray, int]]]:
-    """(tokens, prompt_len) of every sequence of the corpus' shards, by split (numpy only); `limit` (a dry run)
-    takes that many sequences of that many shards of each split."""
+def corpus_sequences(corpus_dir: Path, limit: int | None = None,
+                     turn: int | None = None) -> dict[str, list[tuple[np.ndarray, int]]]:
+    """(tokens, prompt_len) of every sequence of the corpus' shards (of that `turn` only, if given), by split
+    (numpy only); `limit` (a dry run) takes that many sequences of that many shards of each split."""
     manifest = json.loads((corpus_dir / "manifest.json").read_text())
     out: dict[str, list[tuple[np.ndarray, int]]] = {"train": [], "heldout": []}
     for name, entry in sorted(manifest["shards"].items()):
@@ -537,8 +539,8 @@ def corpus_sequences(corpus_dir: Path, limit: int | None = None) -> dict[str, li
         if not path.exists() or (limit and len(out[entry["split"]]) >= limit * limit):
             continue
         with np.load(path) as z:
-            tok, off, pl = z["tokens"].astype(np.int64), z["offsets"], z["prompt_len"]
-        seqs = [(tok[off[i]:off[i + 1]], int(pl[i])) for i in range(len(pl))]
+            tok, off, pl, turns = z["tokens"].astype(np.int64), z["offsets"], z["prompt_len"], z["turn"]
+        seqs = [(tok[off[i]:off[i + 1]], int(pl[i])) for i in range(len(pl)) if turn is None or turns[i] == turn]
         out[entry["split"]] += seqs[:limit] if limit else seqs
     return out
 
@@ -627,6 +629,8 @@ class Features:
                 compute(int(a), int(b))
         self.sequences = done
         self.seq_starts = sstart[: done + 1]
+        self.stride = stride
+        self.seq_len, self.prompt_len = np.array(lens[:done], np.int64), np.array([P for _, P in seqs[:done]], np.int64)
         self.response_tokens = int(sum(ctx_counts[:done]))
         if done < len(seqs):  # views of the prefix: the positions of the sequences done
             S_done, C_done = int(sstart[done]), int(cstart[done])
@@ -730,6 +734,72 @@ def evaluate(drafter: Any, embed: Any, feats: Features, lut: Any, T: int) -> dic
         loss = loss_of(logits, b, soft=False)
     acc = (hit.sum(0) / b["valid"].sum(0).clamp(min=1)).tolist()
     return {"val_loss": round(float(loss), 4), "acc": [round(a, 4) for a in acc]}
+
+
+REPLAY_LENGTH, REPLAY_TOKENS = 4, 128  # the drafter-alone cell the project judges drafters by: W1 L4, 128 tokens
+RUNTIME_HEAD_ROWS = 8192  # the head rows the runtime drafts from by default (mlx_redrafter.defaults; no MLX here)
+
+
+def replay_rate(drafter: Any, embed: Any, feats: Features, length: int = REPLAY_LENGTH,
+                max_tokens: int = REPLAY_TOKENS, head_rows: int | None = None) -> dict[str, Any]:
+    """Tokens per target call of greedy decoding with the drafter alone (beam width 1, beam length `length`: the
+    target's next token and `length` - 1 drafted ones, from the head's first `head_rows` rows; None: all),
+    replayed over the first `max_tokens` answer tokens of the features' sequences as train/replay.py replays them:
+    a greedy sequence accepts a chain exactly as far as the chain matches it. A chain that matches its first k
+    tokens was fed those same tokens, so the teacher-forced argmax at every start gives each start's accepted run;
+    the walk then visits the starts decoding would. Needs features of every position (stride 1)."""
+    import torch
+
+    if feats.stride != 1:
+        raise ValueError("replay needs the features of every position (stride 1)")
+    runs = np.zeros(len(feats), np.int64)
+    steps = torch.arange(1, length, device=feats.hidden.device)[None, :]
+    rows = slice(None) if head_rows is None else slice(0, head_rows)
+    with torch.no_grad():
+        for r0 in range(0, len(feats), 8192):
+            idx = torch.arange(r0, min(r0 + 8192, len(feats)), device=feats.hidden.device)
+            pos = feats.start[idx]
+            t0 = feats.tok_index[pos]
+            ahead = t0[:, None] + 1 + steps  # the tokens the chain's steps must match
+            valid = ahead < feats.seq_end[pos][:, None]
+            truth = feats.tokens[torch.clamp(ahead, max=len(feats.tokens) - 1)]
+            x = feats.tokens[torch.clamp(ahead - 1, max=len(feats.tokens) - 1)]  # g0, then the chain's own tokens
+            h = {"h": feats.hidden[idx].float(), "taps": feats.tap_hidden[idx].float() if feats.taps else None}
+            logits = teacher_forced_logits(drafter, context_of(drafter, h, feats.taps), embed(x))[..., rows]
+            hit = (drafter.token_ids(logits.argmax(-1)) == truth) & valid
+            runs[r0 : r0 + len(idx)] = torch.cumprod(hit.long(), dim=1).sum(1).cpu().numpy()
+    decided = calls = 0
+    hist = np.zeros(length, np.int64)
+    for i in range(feats.sequences):
+        base, P = int(feats.seq_starts[i]), int(feats.prompt_len[i])
+        end = min(int(feats.seq_len[i]), P + max_tokens)
+        p = P - 1  # the last position in the cache; the token after it is decided (the prefill's)
+        while p + 2 < end:
+            best = min(int(runs[base + p - (P - 1)]), end - (p + 2))
+            new = min(best + 1, end - (p + 2))  # the accepted drafts and the target's own next token
+            hist[best] += 1
+            calls, decided, p = calls + 1, decided + new, p + new
+    return {"tokens_per_call": round(decided / max(calls, 1), 4), "calls": calls, "sequences": feats.sequences,
+            "accepted_hist": hist.tolist()}
+
+
+def replay_sequences(seqs: list[tuple[np.ndarray, int]],
+                     max_tokens: int = REPLAY_TOKENS) -> list[tuple[np.ndarray, int]]:
+    """The part of each sequence a replay reads: the prompt and the answer's first `max_tokens` tokens."""
+    return [(s[: P + max_tokens], P) for s, P in seqs]
+
+
+def replays(drafter: Any, embed: Any, sets: dict[str, Features]) -> dict[str, float]:
+    """The drafter's replayed tokens per call (`replay_rate`) on each named set; a head wider than the runtime's
+    default rows also from those rows alone (`<set>@<rows>`), as the runtime drafts unless told otherwise."""
+    out = {}
+    rows = drafter.cfg.get("draft_vocab_size") or 0
+    for name, feats in sets.items():
+        out[name] = replay_rate(drafter, embed, feats)["tokens_per_call"]
+        if rows > RUNTIME_HEAD_ROWS:
+            out[f"{name}@{RUNTIME_HEAD_ROWS}"] = replay_rate(drafter, embed, feats,
+                                                             head_rows=RUNTIME_HEAD_ROWS)["tokens_per_call"]
+    return out
 
 
 def grown(weights: dict[str, Any], cfg: dict[str, Any], extra_layers: int = 0, taps: tuple[int, ...] = (),
@@ -862,13 +932,16 @@ def variants_that_fit(variants: tuple[str, ...], step_s: float, left_s: float, m
 
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
           t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("soft-fuse3",),
-          init: Path | None = None, greedy_starts: int | None = None, min_steps: int = MIN_VARIANT_STEPS) -> dict:
+          init: Path | None = None, greedy_starts: int | None = None, min_steps: int = MIN_VARIANT_STEPS,
+          replay_sets: dict[str, Features] | None = None) -> dict:
     """Train one warm-started drafter per variant (`VARIANTS`) until `deadline`, from `drafter_dir`'s weights or
-    `init`'s; save each (fp16, its config in the file's metadata). The variants without text draw their batches
-    from the first `greedy_starts` starts of `train_f` (the greedy answers), those with text from all of them;
-    variants that draw from the same starts see the same batches. Once the step time is measured, the later
-    variants stop where they would leave each fewer than `min_steps` steps (`variants_that_fit`): the first then
-    trains alone with all the time left."""
+    `init`'s; save each (fp16, its config in the file's metadata). Measured before, at every checkpoint and after:
+    the teacher-forced top-1 per draft step on `held_f`, and the tokens per call decoding with the drafter alone
+    would reach on each of `replay_sets` (held-out answers cut by `replay_sequences`; `replays`). The variants
+    without text draw their batches from the first `greedy_starts` starts of `train_f` (the greedy answers), those
+    with text from all of them; variants that draw from the same starts see the same batches. Once the step time
+    is measured, the later variants stop where they would leave each fewer than `min_steps` steps
+    (`variants_that_fit`): the first then trains alone with all the time left."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -908,6 +981,10 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
                               "variants": {v: {**vars(VARIANTS[v]), "config": cfgs[v]} for v in variants},
                               "before": evaluate(models[variants[0]], embed, held_f, luts[variants[0]], T),
                               "history": []}
+    replay_sets = replay_sets or {}
+    with torch.no_grad():
+        report["before"]["replay"] = replays(models[variants[0]].eval(), embed, replay_sets)
+    models[variants[0]].train()
     _log(f"train: {len(train_f)} starts ({n_greedy} greedy, {train_f.sequences} sequences); "
          f"before: {report['before']}", t0)
 
@@ -972,7 +1049,8 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
             for v in variants:
                 models[v].eval()
                 rec[v] = {"train_loss": round(float(torch.stack(losses[v][-2000:]).mean()), 4),
-                          **evaluate(models[v], embed, held_f, luts[v], T)}
+                          **evaluate(models[v], embed, held_f, luts[v], T),
+                          "replay": replays(models[v], embed, replay_sets)}
                 models[v].train()
             report["history"].append(rec)
             _log(f"train: {json.dumps(rec)}", t0)
@@ -984,7 +1062,7 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     report["train_s"] = round(time.perf_counter() - ts, 1)
     for v in variants:
         models[v].eval()
-        report[v] = evaluate(models[v], embed, held_f, luts[v], T)
+        report[v] = {**evaluate(models[v], embed, held_f, luts[v], T), "replay": replays(models[v], embed, replay_sets)}
         save(v)
     _log(f"train: {step} steps; after: " + json.dumps({v: report[v] for v in variants}), t0)
     return report
@@ -1112,6 +1190,10 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
                  f"the GPU's free memory", t0)
         position_stride = stride
     held_f = Features(model, seqs["heldout"], device, taps=taps)
+    # decoding's measure of the drafters: replayed tokens per call on the held-out first turns of each corpus
+    firsts = {"heldout": corpus_sequences(Path(spec["corpus"]), limit, turn=1)["heldout"],
+              "self_heldout": corpus_sequences(own_dir, limit, turn=1)["heldout"] if own else []}
+    replay_sets = {k: Features(model, replay_sequences(v), device, taps=taps) for k, v in firsts.items() if v}
     train_f = Features(model, answers + text, device, taps=taps, stride=position_stride,
                        deadline=t0 + budget_s * feature_share)
     greedy_starts = train_f.starts_of(len(answers))
@@ -1122,6 +1204,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
                           "greedy_contexts": greedy_contexts, "new_sequences": len(new),
                           "self_prompted_sequences": len(own),
                           "text_sequences": len(text), "heldout_contexts": len(held_f), "tf32": feature_tf32,
+                          "replay_sequences": {k: f.sequences for k, f in replay_sets.items()},
                           "seconds": round(time.perf_counter() - tf, 1)}
     _log(f"features: {report['features']}", t0)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -1129,7 +1212,8 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     # (4) training until the budget's end (a margin for evaluation and saving)
     torch.backends.cuda.matmul.allow_tf32 = True
     report["train"] = train(model, train_f, held_f, Path(spec["drafter"]), out, t0 + budget_s - 20, t0, batch, lr,
-                            variants=variants, init=init, greedy_starts=greedy_starts, min_steps=min_variant_steps)
+                            variants=variants, init=init, greedy_starts=greedy_starts, min_steps=min_variant_steps,
+                            replay_sets=replay_sets)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     _log("done", t0)
