@@ -384,7 +384,8 @@ def test_tiny_training_run_learns_and_resumes(target, corpus_dirs, tmp_path):
                       checkpoint_every=12, lr=3e-3)
     drafter, summary = train_drafter(target, tr, ho, tmp_path / "run", cfg, progress=False, log=lambda m: None)
     hist = summary["history"]
-    assert hist[-1]["train_loss"] < hist[0]["train_loss"]
+    assert [r["step"] for r in hist] == [0, 12, 24] and "train_loss" not in hist[0]  # measured before step 1 too
+    assert hist[-1]["train_loss"] < hist[1]["train_loss"] and "val_loss" in hist[0]
     assert len(hist[-1]["acc"]) == cfg.draft_len
     ckpt = tmp_path / "run" / "checkpoint"
     assert ckpt.is_symlink() and {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "optimizer.safetensors",

@@ -288,6 +288,9 @@ def train_drafter(target: Target, train: Examples, heldout: Examples, run_dir: s
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+    if start == 0 and cfg.steps > 0:  # where the drafter starts from (a warm start's own held-out measure)
+        history.append({"step": 0, "positions_seen": 0, "elapsed_s": 0.0, **evaluate(drafter, embed, heldout, lut, T)})
+        log(json.dumps(history[-1]))
     for step in range(start, cfg.steps):
         idx = np.sort(rng.integers(0, len(train), size=cfg.batch_size))  # sorted: fewer page-ins per shard
         b = make_batch(train, idx, T, lut, soft=soft)
