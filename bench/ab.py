@@ -52,7 +52,7 @@ def run_ab(drafters: list[str], rounds: int, per_set: int, heldout: list[Path], 
     sets = prompt_sets(lm, per_set, heldout)
     names = list(drafters)
     configs = [("ar", "none")] + [(n, m) for n in names for m in MODES]
-    totals: dict[str, dict[str, dict[str, float]]] = {}
+    totals: dict[tuple[str, str], dict[str, dict[str, float]]] = {}  # (drafter, mode) -> prompt set -> sums
     same = True
 
     def run(name: str, mode: str, ids: list[int], where: str) -> list[int]:
@@ -60,7 +60,7 @@ def run_ab(drafters: list[str], rounds: int, per_set: int, heldout: list[Path], 
         read_features(m.target.model, m.drafter)  # the layers this drafter reads (none for AR)
         out, st = decode(m, ids, DecodeOptions(draft=mode, max_tokens=max_tokens))
         for key in ("all", where):
-            t = totals.setdefault(f"{name}|{mode}", {}).setdefault(key, {"s": 0.0, "tokens": 0, "calls": 0})
+            t = totals.setdefault((name, mode), {}).setdefault(key, {"s": 0.0, "tokens": 0, "calls": 0})
             t["s"] += st.decode_s
             t["tokens"] += len(out) - 1
             t["calls"] += st.steps
@@ -81,10 +81,9 @@ def run_ab(drafters: list[str], rounds: int, per_set: int, heldout: list[Path], 
                         same &= run(name, mode, ids, where) == ref
                 k += 1
         log(f"round {rnd + 1}/{rounds} done ({time.perf_counter() - t0:.0f} s)")
-    ar = totals["ar|none"]
+    ar = totals[("ar", "none")]
     rows = []
-    for key, t in totals.items():
-        name, mode = key.split("|")
+    for (name, mode), t in totals.items():
         for where, v in t.items():
             rows.append({"drafter": name, "mode": mode, "set": where, "tokens": v["tokens"],
                          "seconds": round(v["s"], 3), "tokens_per_s": round(v["tokens"] / v["s"], 2),
