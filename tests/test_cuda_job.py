@@ -386,7 +386,7 @@ def test_a_packed_corpus_unpacks_into_the_sequences_it_holds(tmp_path, capsys):
     for n in names:
         shutil.copy(committed / n, corpus / n)
     (corpus / "manifest.json").write_text(json.dumps({"shards": {n: entries[n] for n in names}}))
-    pack = pack_corpus(corpus, tmp_path / "job" / "corpus")
+    pack = pack_corpus([corpus], tmp_path / "job" / "corpus")
     assert pack["parts"] == 1 and pack["shards"] == 4 and (tmp_path / "job" / "corpus.xz.0").is_file()
     back = unpack_corpus(pack, [None, tmp_path / "job"], tmp_path / "unpacked")
     want, got = corpus_sequences(corpus), corpus_sequences(back)
@@ -394,7 +394,18 @@ def test_a_packed_corpus_unpacks_into_the_sequences_it_holds(tmp_path, capsys):
     for k in want:
         assert all(np.array_equal(a, b) and p == q for (a, p), (b, q) in zip(want[k], got[k]))
     assert turn1_sequences(back, [1, 2], [2]) == turn1_sequences(corpus, [1, 2], [2])
-    assert pack_corpus(tmp_path / "nothing", tmp_path / "job" / "empty")["parts"] == 0
+    assert pack_corpus([tmp_path / "nothing"], tmp_path / "job" / "empty")["parts"] == 0
+    # several corpora (the self-prompted ones) in one pack: each shard under its corpus' folder, splits kept
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(committed / names[0], other / names[0])
+    (other / "manifest.json").write_text(json.dumps({"shards": {names[0]: entries[names[0]]}}))
+    both = unpack_corpus(pack_corpus([corpus, other], tmp_path / "job" / "selfs"), [tmp_path / "job"],
+                         tmp_path / "both")
+    assert (both / "other" / names[0]).is_file() and (both / "corpus" / names[1]).is_file()
+    got = corpus_sequences(both)
+    assert len(got["heldout"]) == 2 * len(want["heldout"]) and len(got["train"]) == len(want["train"])
+    assert len(corpus_sequences(both, turn=1)["train"]) < len(got["train"])  # the turn-2 shard's left out
     (tmp_path / "job" / "corpus.xz.0").unlink()
     with pytest.raises(SystemExit) as e:
         unpack_corpus(pack, [tmp_path / "job"], tmp_path / "again")

@@ -75,12 +75,12 @@ VARIANTS = {
 # ----------------------------------------------------------------------------------------------------------- here
 def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int = 16, from_end: bool = False,
             max_shards: int | None = None, text_corpus: Path | None = None, write_gguf: bool = True,
-            pack_corpora: bool = True, self_corpus: Path | None = None) -> None:
+            pack_corpora: bool = True, self_corpora: list[Path] = ()) -> None:
     """Write the job spec (`job.json`, `job.npz`), the target's GGUF (xz, in parts) and, with `pack_corpora`, the
     corpora (`pack_corpus`) into `job_dir`; `from_end`: the plan's last shards first (the CPU's data job works from
     the front, so the two do not make the same shard); `max_shards`: at most that many shards in the job (a smaller
-    job.npz); `self_corpus`: the target's answers to prompts it wrote itself, packed too where it has a manifest (a
-    run trains on them first)."""
+    job.npz); `self_corpora`: the target's answers to prompts it wrote itself, those with a manifest packed too, all
+    in one pack (a run trains on them first)."""
     from mlx_redrafter.errors import UserError
     from mlx_redrafter.models.loader import load_target
     from mlx_redrafter.prompts import first_turns
@@ -148,20 +148,21 @@ def prepare(job_dir: Path, prompts_file: Path, corpus_dir: Path, num_parity: int
     import hashlib
 
     packs = {}
+    # none yet, or the job's own corpus (its sequences are read once)
+    selfs = [Path(d) for d in self_corpora if (Path(d) / "manifest.json").is_file()
+             and Path(d).resolve() != Path(corpus_dir).resolve()]
     if pack_corpora:
-        if self_corpus is not None and (not (Path(self_corpus) / "manifest.json").is_file()
-                                        or Path(self_corpus).resolve() == Path(corpus_dir).resolve()):
-            self_corpus = None  # none yet, or the job's own corpus (its sequences are read once)
-        for key, folder in (("corpus", corpus_dir), ("text_corpus", text_corpus), ("self_corpus", self_corpus)):
-            if folder is not None:
-                packs[f"{key}_pack"] = pack_corpus(Path(folder), job_dir / key.replace("_", "-"))
+        for key, folders in (("corpus", [corpus_dir]), ("text_corpus", [text_corpus] if text_corpus else []),
+                             ("self_corpus", selfs)):
+            if folders:
+                packs[f"{key}_pack"] = pack_corpus([Path(f) for f in folders], job_dir / key.replace("_", "-"))
     spec = {"gguf_name": gguf.name, "gguf_sha256": hashlib.sha256(data).hexdigest(), "eos_ids": tok.eos_ids,
             "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
             "corpus": str(corpus_dir), "jobs": [j.name for j in todo], "turn1_prompts": len(t1_row),
             "turn2_rows": len(t2_row), "parity_prompts": len(parity),
             "parity_max_new_tokens": 128, "drafter": "mlx_redrafter/drafters/smollm2-135m",
             "text_corpus": str(text_corpus) if text_corpus else None,
-            "self_corpus": str(self_corpus) if self_corpus else None, "gguf_parts": parts, **packs}
+            "self_corpora": [str(d) for d in selfs], "gguf_parts": parts, **packs}
     (job_dir / "job.json").write_text(json.dumps(spec, indent=1) + "\n")
     sizes = "".join(f"; {k[:-5].replace('_', ' ')}: {v['shards']} shards (xz) in {v['parts']} part(s)"
                     for k, v in packs.items())
@@ -200,26 +201,32 @@ def read_parts(name: str, parts: int, dirs: list[Path | None], what: str) -> byt
 CORPUS_ARRAYS = ("prompt_len", "prompt_index", "turn")  # per sequence, besides its tokens
 
 
-def pack_corpus(corpus_dir: Path, stem: Path) -> dict[str, Any]:
-    """Every shard of a corpus (its manifest's) as one xz stream in parts `<stem>.xz.0`, `.1`, ... of at most
+def pack_corpus(corpus_dirs: list[Path], stem: Path) -> dict[str, Any]:
+    """Every shard of the corpora (their manifests') as one xz stream in parts `<stem>.xz.0`, `.1`, ... of at most
     `GGUF_PART_BYTES`: the token ids and per-sequence arrays run raw, shard after shard, and xz's 64 MiB window
     finds what they repeat (a turn-2 sequence holds its turn-1 conversation, asked again with each follow-up): the
     corpus of 2026-11-28, 38 MB of shards in git, packs into ~8 MB. `run` rebuilds the shards there
     (`unpack_corpus`), so that a transport too small for the checkout's corpus carries this instead. Returns the
-    pack's entry of the job spec (parts, shards, sequences, bytes); no parts for a corpus without shards."""
+    pack's entry of the job spec (parts, shards, sequences, bytes); no parts for corpora without shards. One
+    corpus' shards keep their names; several corpora's are named `<corpus folder>/<shard>`, each its own split."""
     import io
 
     for old in stem.parent.glob(f"{stem.name}.xz.*"):
         old.unlink()
-    manifest = corpus_dir / "manifest.json"
-    entries = json.loads(manifest.read_text())["shards"] if manifest.is_file() else {}
-    names = [n for n in sorted(entries) if (corpus_dir / n).is_file()]
+    entries, paths = {}, {}
+    for corpus_dir in corpus_dirs:
+        manifest = corpus_dir / "manifest.json"
+        for n, e in (json.loads(manifest.read_text())["shards"] if manifest.is_file() else {}).items():
+            if (corpus_dir / n).is_file():
+                key = n if len(corpus_dirs) == 1 else f"{corpus_dir.name}/{n}"
+                entries[key], paths[key] = e, corpus_dir / n
+    names = sorted(entries)
     if not names:
         return {"parts": 0, "shards": 0, "sequences": 0, "bytes": 0}
     splits, counts, tokens, lengths = [], [], [], []
     per_seq: dict[str, list[np.ndarray]] = {k: [] for k in CORPUS_ARRAYS}
     for name in names:
-        with np.load(corpus_dir / name) as z:
+        with np.load(paths[name]) as z:
             off = z["offsets"]
             tokens.append(z["tokens"])
             lengths.append(np.diff(off).astype(np.int64))
@@ -242,15 +249,16 @@ def unpack_corpus(pack: dict[str, Any], dirs: list[Path], dest: Path) -> Path:
 
     with np.load(io.BytesIO(read_parts(pack["stem"], pack["parts"], dirs, "corpus pack"))) as z:
         data = {k: z[k] for k in z.files}
-    dest.mkdir(parents=True, exist_ok=True)
     seq_at = np.concatenate([[0], np.cumsum(data["counts"])])  # each shard's first sequence
     tok_at = np.concatenate([[0], np.cumsum(data["lengths"])])  # each sequence's first token
     shards = {}
     for i, (name, split) in enumerate(zip(data["names"].tolist(), data["splits"].tolist())):
         s0, s1 = int(seq_at[i]), int(seq_at[i + 1])
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
         np.savez(dest / name, tokens=data["tokens"][tok_at[s0]:tok_at[s1]], offsets=tok_at[s0:s1 + 1] - tok_at[s0],
                  split=np.array(split), **{k: data[k][s0:s1] for k in CORPUS_ARRAYS})
         shards[name] = {"split": split}
+    dest.mkdir(parents=True, exist_ok=True)
     (dest / "manifest.json").write_text(json.dumps({"shards": shards}) + "\n")
     return dest
 
@@ -1091,11 +1099,12 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     job = dict(np.load(job_dir / "job.npz"))
     out.mkdir(parents=True, exist_ok=True)
     # the packed corpora, where the job has them: the checkout's may be absent
-    for key in ("corpus", "text_corpus", "self_corpus"):
-        pack = spec.get(f"{key}_pack")
+    for key in ("corpus", "text_corpus", "self_corpora"):
+        pack = spec.get(f"{key}_pack" if key != "self_corpora" else "self_corpus_pack")
         if spec.get(key) and pack and pack["parts"]:
-            spec[key] = str(unpack_corpus(pack, [gguf_dir, job_dir], job_dir / "unpacked" / key))
-            _log(f"{key.replace('_', ' ')}: {pack['shards']} shards unpacked into {spec[key]}", t0)
+            dest = str(unpack_corpus(pack, [gguf_dir, job_dir], job_dir / "unpacked" / key))
+            spec[key] = [dest] if key == "self_corpora" else dest  # the self corpora: one pack, one folder
+            _log(f"{key.replace('_', ' ')}: {pack['shards']} shards unpacked into {dest}", t0)
     report: dict[str, Any] = {"engine": ENGINE, "generation_engine": GEN_ENGINE, "torch": torch.__version__,
                               "device": device,
                               "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
@@ -1176,8 +1185,8 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     answers, text = [answers[i] for i in rng.permutation(len(answers))], [text[i] for i in rng.permutation(len(text))]
     # the answers to the target's own prompts first: their first turns are the most varied, and a feature pass
     # past its deadline keeps the sequences it reached
-    own_dir = Path(spec.get("self_corpus") or "-")
-    own = corpus_sequences(own_dir, limit)["train"] if (own_dir / "manifest.json").is_file() else []
+    own_dirs = [Path(d) for d in spec.get("self_corpora", []) if (Path(d) / "manifest.json").is_file()]
+    own = [x for d in own_dirs for x in corpus_sequences(d, limit)["train"]]
     answers = [own[i] for i in rng.permutation(len(own))] + answers
     start = start_config(Path(spec["drafter"]), init).get("feature_layers") or []
     taps = tuple(sorted({layer for v in variants for layer in VARIANTS[v].taps} | set(start)))
@@ -1192,7 +1201,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     held_f = Features(model, seqs["heldout"], device, taps=taps)
     # decoding's measure of the drafters: replayed tokens per call on the held-out first turns of each corpus
     firsts = {"heldout": corpus_sequences(Path(spec["corpus"]), limit, turn=1)["heldout"],
-              "self_heldout": corpus_sequences(own_dir, limit, turn=1)["heldout"] if own else []}
+              "self_heldout": [x for d in own_dirs for x in corpus_sequences(d, limit, turn=1)["heldout"]]}
     replay_sets = {k: Features(model, replay_sequences(v), device, taps=taps) for k, v in firsts.items() if v}
     train_f = Features(model, answers + text, device, taps=taps, stride=position_stride,
                        deadline=t0 + budget_s * feature_share)
@@ -1355,8 +1364,9 @@ def _main() -> None:
     p.add_argument("--corpus", type=Path, default=Path("data/corpus/smollm2-135m"))
     p.add_argument("--text-corpus", type=Path, default=Path("data/corpus/smollm2-135m-text"),
                    help="the fixed-text corpus the variants with text train on")
-    p.add_argument("--self-corpus", type=Path, default=Path("data/corpus/smollm2-135m-self"),
-                   help="the answers to the target's own prompts (`distill --source self`), trained on first")
+    p.add_argument("--self-corpus", type=Path, action="append", default=None,
+                   help="answers to the target's own prompts (`distill --source self`), trained on first; repeat "
+                        "for several (default: every data/corpus/smollm2-135m-self* with shards)")
     p.add_argument("--from-end", action="store_true", help="the plan's last shards first (a CPU data job beside)")
     p.add_argument("--max-shards", type=int, default=None, help="at most this many shards in the job")
     r = sub.add_parser("run")
@@ -1409,7 +1419,8 @@ def _main() -> None:
         _fail(f"--max-shards {a.max_shards}: give a count of shards, 0 or more (0: a job for training only)")
     if a.cmd == "prepare":
         prepare(a.job, a.prompts, a.corpus, from_end=a.from_end, max_shards=a.max_shards,
-                text_corpus=a.text_corpus, self_corpus=a.self_corpus)
+                text_corpus=a.text_corpus,
+                self_corpora=a.self_corpus or sorted(Path("data/corpus").glob("smollm2-135m-self*")))
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.slots, a.batch, a.lr, a.gen_share,
             tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir, not a.generate_only,
