@@ -414,6 +414,8 @@ def test_a_packed_corpus_unpacks_into_the_sequences_it_holds(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, says", [
     (["prepare", "--max-shards", "-1"], "--max-shards -1"),
+    (["prepare", "--self-corpus", "data/corpus/smollm2-135m-self", "--self-corpus", "no/such"],
+     "--self-corpus no/such: no corpus there"),
     (["run", "--out", "x", "--variants", "soft,bogus"], "unknown variant(s) bogus"),
     (["run", "--out", "x", "--min-variant-steps", "-1"], "--min-variant-steps -1"),
 ])

@@ -1415,6 +1415,11 @@ def _main() -> None:
         unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
         if unknown:
             _fail(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    if a.cmd == "prepare":
+        bare = [str(d) for d in a.self_corpus or [] if not (d / "manifest.json").is_file()]
+        if bare:
+            _fail(f"--self-corpus {', '.join(bare)}: no corpus there (no manifest.json): answer its prompts first "
+                  "(`make distill DISTILL_ARGS=\"--corpus-name NAME\"`) or leave it out")
     if a.cmd == "prepare" and a.max_shards is not None and a.max_shards < 0:
         _fail(f"--max-shards {a.max_shards}: give a count of shards, 0 or more (0: a job for training only)")
     if a.cmd == "prepare":
