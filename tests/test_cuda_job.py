@@ -160,6 +160,44 @@ def test_replay_on_the_gpu_decides_what_the_runtimes_replay_decides(target, hf, 
         target.model.feature_layers = ()
 
 
+def test_a_drafter_is_returned_averaged_with_its_start_where_that_replays_better(target, hf, chat_ids):
+    """`soup` leaves the drafter as the best of start + alpha * (trained - start) by replayed tokens per call: a
+    drafter 'trained' into noise comes back halfway to where it started (better than as trained), one trained into
+    nothing new comes back as it was, and with no held-out answers to replay it comes back as trained."""
+    from bench.torch_ref.cuda_job import Features, replay_rate, soup
+    from bench.torch_ref.drafter import from_mlx
+    from mlx_redrafter.api import resolve_drafter
+    from mlx_redrafter.train.greedy import generate_greedy
+
+    try:
+        drafter = from_mlx(resolve_drafter("default", target)[0])
+    finally:
+        target.model.feature_layers = ()
+    prompts = [chat_ids[8], chat_ids[9]]
+    answers, _ = generate_greedy(target.model, prompts, 24, target.tokenizer.eos_ids)
+    feats = Features(hf, [(np.array(p + a), len(p)) for p, a in zip(prompts, answers)], "cpu", taps=(2, 15, 24))
+    emb = hf.model.embed_tokens.weight.detach().float()
+    start = {k: t.clone() for k, t in drafter.state_dict().items()}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for t in drafter.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.randn_like(t) * t.std() * 0.5)
+    noisy = {k: t.clone() for k, t in drafter.state_dict().items()}
+    got = soup(drafter, start, lambda x: emb[x], {"answers": feats}, alphas=(1.0, 0.5))
+    assert got["alpha"] == 0.5 and set(got["replay_by_alpha"]) == {"1.0", "0.5"}
+    assert got["replay_by_alpha"]["0.5"]["answers"] > got["replay_by_alpha"]["1.0"]["answers"]
+    w = drafter.state_dict()["rnn_w.weight"]
+    assert torch.allclose(w, (start["rnn_w.weight"] + noisy["rnn_w.weight"]) / 2, atol=1e-6)
+    assert torch.equal(drafter.state_dict()["draft_vocab"], start["draft_vocab"])
+    assert replay_rate(drafter, lambda x: emb[x], feats)["tokens_per_call"] == got["replay_by_alpha"]["0.5"]["answers"]
+    drafter.load_state_dict(start)
+    assert soup(drafter, start, lambda x: emb[x], {"answers": feats})["alpha"] == 1.0  # ties: as trained
+    drafter.load_state_dict(noisy)
+    assert soup(drafter, start, lambda x: emb[x], {}) == {"replay_by_alpha": {"1.0": {}}, "alpha": 1.0}
+    assert torch.equal(drafter.state_dict()["rnn_w.weight"], noisy["rnn_w.weight"])
+
+
 def test_strided_features_keep_every_label_and_the_states_of_every_nth_position(hf, chat_ids):
     """With a stride, drafts start from every n-th position of each sequence (the states of those only are kept)
     and still read the labels of every later position: the same batch as the full features give there."""
@@ -465,5 +503,6 @@ def test_a_run_too_short_for_two_variants_trains_and_returns_the_first_alone(tar
     assert "acc" in rep["soft-fuse3"] and "soft-fuse3-wide" not in rep
     for measured in (rep["before"], rep["soft-fuse3"]):  # decoding's measure beside the teacher-forced one
         assert list(measured["replay"]) == ["answers"] and measured["replay"]["answers"] >= 1
+    assert rep["soft-fuse3"]["soup"]["alpha"] in (1.0, 0.7, 0.5)  # returned: as trained or averaged with its start
     names = sorted(f.name for f in tmp_path.iterdir())  # the drafter in its parts, and nothing else
     assert names[0] == "drafter_soft-fuse3.safetensors" and all(n.startswith(names[0]) for n in names)

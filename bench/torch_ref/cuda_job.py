@@ -810,6 +810,37 @@ def replays(drafter: Any, embed: Any, sets: dict[str, Features]) -> dict[str, fl
     return out
 
 
+SOUP_ALPHAS = (1.0, 0.7, 0.5)  # shares of the trained weights in the drafters `soup` measures (1.0: as trained)
+
+
+def soup(model: Any, start: dict[str, Any], embed: Any, sets: dict[str, Features],
+         alphas: tuple[float, ...] = SOUP_ALPHAS) -> dict[str, Any]:
+    """Leave `model` as the best of `start` + alpha * (trained - start) for `alphas` by its replayed tokens per call
+    summed over `sets` (held-out answers; ties and no sets: the first alpha), the way a fine-tuned model is averaged
+    with the one it grew from (WiSE-FT, arXiv 2109.01903): here the shipped drafter and run 10's averaged did better
+    on both held-out sets than either (`bench/results/cpu-avx512/drafter-soup-20261201`). Returns each alpha's
+    replays and the alpha kept."""
+    import torch
+
+    trained = {k: t.detach().clone() for k, t in model.state_dict().items()}
+
+    def mixed(a: float) -> dict[str, Any]:
+        return {k: t if a == 1.0 or not t.is_floating_point() else start[k] + a * (t - start[k])
+                for k, t in trained.items()}
+
+    scores: dict[str, Any] = {}
+    best = None
+    with torch.no_grad():
+        for a in alphas if sets else alphas[:1]:
+            model.load_state_dict(mixed(a))
+            scores[str(a)] = replays(model, embed, sets)
+            total = sum(v for k, v in scores[str(a)].items() if "@" not in k)
+            if best is None or total > best[0]:
+                best = (total, a)
+        model.load_state_dict(mixed(best[1]))
+    return {"replay_by_alpha": scores, "alpha": best[1]}
+
+
 def grown(weights: dict[str, Any], cfg: dict[str, Any], extra_layers: int = 0, taps: tuple[int, ...] = (),
           head_rows: int = 0, counts: np.ndarray | None = None,
           target_rows: np.ndarray | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -941,11 +972,13 @@ def variants_that_fit(variants: tuple[str, ...], step_s: float, left_s: float, m
 def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, out: Path, deadline: float,
           t0: float, batch: int, lr: float, T: int = 5, variants: tuple[str, ...] = ("soft-fuse3",),
           init: Path | None = None, greedy_starts: int | None = None, min_steps: int = MIN_VARIANT_STEPS,
-          replay_sets: dict[str, Features] | None = None) -> dict:
+          replay_sets: dict[str, Features] | None = None, soups: bool = True) -> dict:
     """Train one warm-started drafter per variant (`VARIANTS`) until `deadline`, from `drafter_dir`'s weights or
     `init`'s; save each (fp16, its config in the file's metadata). Measured before, at every checkpoint and after:
     the teacher-forced top-1 per draft step on `held_f`, and the tokens per call decoding with the drafter alone
-    would reach on each of `replay_sets` (held-out answers cut by `replay_sequences`; `replays`). The variants
+    would reach on each of `replay_sets` (held-out answers cut by `replay_sequences`; `replays`). Each drafter
+    returned is, with `soups`, the best by those replays of the trained one and its averages with its start
+    (`soup`; the report's "after" measures it, and says which). The variants
     without text draw their batches from the first `greedy_starts` starts of `train_f` (the greedy answers), those
     with text from all of them; variants that draw from the same starts see the same batches. Once the step time
     is measured, the later variants stop where they would leave each fewer than `min_steps` steps
@@ -969,13 +1002,14 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     if any(VARIANTS[v].head_rows for v in variants):  # what a growing head adds: the decisions it lacks most
         counts = torch.bincount(train_f.top_ids[:n_greedy, 0].long(), minlength=base_cfg["vocab_size"]).cpu().numpy()
         target_rows = model.get_output_embeddings().weight.detach().float().cpu().numpy()
-    models, opts, cfgs, luts = {}, {}, {}, {}
+    models, opts, cfgs, luts, starts_w = {}, {}, {}, {}, {}
     for v in variants:
         w, cfgs[v] = grown(weights, base_cfg, VARIANTS[v].extra_layers, VARIANTS[v].taps, VARIANTS[v].head_rows,
                            counts, target_rows)
         d = TorchDrafter(cfgs[v])
         d.load_state_dict({k: (t.long() if k == "draft_vocab" else t.float()) for k, t in w.items()}, strict=True)
         models[v] = d.to(device).train()
+        starts_w[v] = {k: t.detach().clone() for k, t in models[v].state_dict().items()}  # for `soup`
         opts[v] = torch.optim.AdamW([p for p in d.parameters()], lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                     weight_decay=0.01)
         dv = models[v].draft_vocab  # label -> head row (-1: not in the head)
@@ -1068,9 +1102,11 @@ def train(model: Any, train_f: Features, held_f: Features, drafter_dir: Path, ou
     report["positions_seen"] = step * batch
     report["epochs"] = round(step * batch / max(n_greedy, 1), 3)
     report["train_s"] = round(time.perf_counter() - ts, 1)
-    for v in variants:
+    for v in variants:  # returned: the trained drafter, or its average with where it started where that replays better
         models[v].eval()
-        report[v] = {**evaluate(models[v], embed, held_f, luts[v], T), "replay": replays(models[v], embed, replay_sets)}
+        mix = soup(models[v], starts_w[v], embed, replay_sets) if soups else {"alpha": 1.0}
+        report[v] = {**evaluate(models[v], embed, held_f, luts[v], T), "replay": replays(models[v], embed, replay_sets),
+                     "soup": mix}
         save(v)
     _log(f"train: {step} steps; after: " + json.dumps({v: report[v] for v in variants}), t0)
     return report
@@ -1081,7 +1117,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
         variants: tuple[str, ...] = ("soft-fuse3",), init: Path | None = None, parity: bool = True,
         gguf_dir: Path | None = None, train_too: bool = True, max_positions: int | None = None,
         feature_tf32: bool = False, position_stride: int = 1, feature_share: float = 0.5,
-        min_variant_steps: int = MIN_VARIANT_STEPS) -> None:
+        min_variant_steps: int = MIN_VARIANT_STEPS, soups: bool = True) -> None:
     """Parity, generation, features and training (unless not `train_too`) within `budget_s` seconds; results in
     `out`. `max_positions`: train on a random subset of the corpus' sequences with at most that many context
     positions (each takes ~4.7 KB of GPU memory with three tapped layers: ~15M fit an 80 GB GPU); `feature_tf32`:
@@ -1089,7 +1125,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     `position_stride`: drafts start from every that-many-th position of a sequence only (`Features`), raised where
     the features would not fit the GPU's memory (`fitting_stride`); the feature pass stops starting new sequences
     `feature_share` of the budget after the start (the greedy sequences go first, in random order, then the fixed
-    text), so that training keeps the rest; `min_variant_steps` as `train`'s `min_steps`."""
+    text), so that training keeps the rest; `min_variant_steps` as `train`'s `min_steps`; `soups` as `train`'s."""
     import torch
 
     t0 = time.perf_counter()
@@ -1222,7 +1258,7 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
     torch.backends.cuda.matmul.allow_tf32 = True
     report["train"] = train(model, train_f, held_f, Path(spec["drafter"]), out, t0 + budget_s - 20, t0, batch, lr,
                             variants=variants, init=init, greedy_starts=greedy_starts, min_steps=min_variant_steps,
-                            replay_sets=replay_sets)
+                            replay_sets=replay_sets, soups=soups)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     _log("done", t0)
@@ -1394,6 +1430,8 @@ def _main() -> None:
                         "raised where they would not fit)")
     r.add_argument("--feature-share", type=float, default=0.5,
                    help="the feature pass starts no new sequences past this share of the budget")
+    r.add_argument("--no-soup", action="store_true",
+                   help="return each drafter as trained, not its best average with its start (`soup`)")
     r.add_argument("--min-variant-steps", type=int, default=MIN_VARIANT_STEPS,
                    help="the later variants stop where side by side they would each get fewer steps than this; "
                         "the first then trains alone (0: never)")
@@ -1429,7 +1467,8 @@ def _main() -> None:
     elif a.cmd == "run":
         run(a.job, a.out, a.budget_s, a.device, a.limit, a.slots, a.batch, a.lr, a.gen_share,
             tuple(a.variants.split(",")), a.init, not a.no_parity, a.gguf_dir, not a.generate_only,
-            a.max_positions, a.feature_tf32, a.position_stride, a.feature_share, a.min_variant_steps)
+            a.max_positions, a.feature_tf32, a.position_stride, a.feature_share, a.min_variant_steps,
+            not a.no_soup)
     elif a.cmd == "parity":
         parity(a.result, a.job)
     else:
