@@ -49,7 +49,7 @@ def draft_probabilities(drafter, embed, h, g0, drafts: np.ndarray) -> np.ndarray
     return np.array(mx.stack(out, axis=1))
 
 
-@pytest.mark.parametrize("threshold", [0.05, 0.3, 0.5])
+@pytest.mark.parametrize("threshold", [0.05, 0.3, 0.4])  # the first drafts of these rows reach ~0.48
 def test_the_cut_follows_the_drafters_probability_of_the_draft(target, shipped, states, threshold):
     h, g0 = states
     head = FrequentHead(shipped, 4096)
