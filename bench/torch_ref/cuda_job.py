@@ -536,15 +536,16 @@ def load_sequences(result_dir: Path) -> tuple[dict[tuple[int, int, int], list[in
     return got, done
 
 
-def corpus_sequences(corpus_dir: Path, limit: int | None = None,
-                     turn: int | None = None) -> dict[str, list[tuple[np.ndarray, int]]]:
-    """(tokens, prompt_len) of every sequence of the corpus' shards (of that `turn` only, if given), by split
-    (numpy only); `limit` (a dry run) takes that many sequences of that many shards of each split."""
+def corpus_sequences(corpus_dir: Path, limit: int | None = None, turn: int | None = None,
+                     splits: tuple[str, ...] = ("train", "heldout")) -> dict[str, list[tuple[np.ndarray, int]]]:
+    """(tokens, prompt_len) of every sequence of the corpus' shards of `splits` (of that `turn` only, if given), by
+    split (numpy only; shards of other splits are not read); `limit` (a dry run) takes that many sequences of that
+    many shards of each split."""
     manifest = json.loads((corpus_dir / "manifest.json").read_text())
     out: dict[str, list[tuple[np.ndarray, int]]] = {"train": [], "heldout": []}
     for name, entry in sorted(manifest["shards"].items()):
         path = corpus_dir / name
-        if not path.exists() or (limit and len(out[entry["split"]]) >= limit * limit):
+        if entry["split"] not in splits or not path.exists() or (limit and len(out[entry["split"]]) >= limit * limit):
             continue
         with np.load(path) as z:
             tok, off, pl, turns = z["tokens"].astype(np.int64), z["offsets"], z["prompt_len"], z["turn"]
@@ -1236,8 +1237,9 @@ def run(job_dir: Path, out: Path, budget_s: float, device: str = "cuda", limit: 
         position_stride = stride
     held_f = Features(model, seqs["heldout"], device, taps=taps)
     # decoding's measure of the drafters: replayed tokens per call on the held-out first turns of each corpus
-    firsts = {"heldout": corpus_sequences(Path(spec["corpus"]), limit, turn=1)["heldout"],
-              "self_heldout": [x for d in own_dirs for x in corpus_sequences(d, limit, turn=1)["heldout"]]}
+    held = ("heldout",)  # the held-out shards alone: the train shards were read above
+    firsts = {"heldout": corpus_sequences(Path(spec["corpus"]), limit, turn=1, splits=held)["heldout"],
+              "self_heldout": [x for d in own_dirs for x in corpus_sequences(d, limit, turn=1, splits=held)["heldout"]]}
     replay_sets = {k: Features(model, replay_sequences(v), device, taps=taps) for k, v in firsts.items() if v}
     train_f = Features(model, answers + text, device, taps=taps, stride=position_stride,
                        deadline=t0 + budget_s * feature_share)
